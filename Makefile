@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine:  `make demo`  and  `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PIP     := $(BIN)/python -m pip install -q -c constraints-cpu.txt
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: install demo serve test lint bench clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned to the CPU build, so nothing resolves a CUDA torch.
+	$(PIP) "torch==2.13.0+cpu"
+	$(PIP) -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/slime-server demo
+
+serve: install
+	$(BIN)/slime-server serve --model tiny
+
+test: install
+	$(BIN)/python -m ruff check slime_server tools tests
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python tools/bench_engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

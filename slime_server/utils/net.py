@@ -1,0 +1,33 @@
+"""Small networking helpers shared by launchers and tests (ports, readiness polling)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Ask the OS for a free TCP port (racy by nature; callers bind promptly)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http_ok(url: str, timeout: float = 60.0, interval: float = 0.1, proc=None) -> None:
+    """Poll ``url`` until it answers 2xx; raise TimeoutError (or RuntimeError if ``proc`` died)."""
+    deadline = time.monotonic() + timeout
+    last: str = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with code {proc.returncode} before {url} was ready")
+        try:
+            r = httpx.get(url, timeout=2.0)
+            if r.status_code < 300:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(interval)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f}s (last: {last})")

@@ -1,0 +1,50 @@
+"""Child-process management: every server we spawn lives in its own process group so
+that shutdown (Ctrl-C, SIGTERM, test teardown) can kill it and all its children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+
+def spawn(cmd: Sequence[str], env: dict[str, str] | None = None, log_path: str | None = None,
+          cwd: str | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in a new session (process group); output to ``log_path`` or inherited."""
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - owned by the child
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.Popen(
+        list(cmd), env=full_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT if out else None,
+        start_new_session=True,
+    )
+
+
+def python_module_cmd(module: str, *args: str) -> list[str]:
+    """Command line running ``python -m module args`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+def kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM the process group, wait, then SIGKILL whatever is left."""
+    if proc.poll() is not None:
+        _kill_pg(proc.pid, signal.SIGKILL)  # reap stragglers of an exited leader
+        return
+    _kill_pg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_pg(proc.pid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _kill_pg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
