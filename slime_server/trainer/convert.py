@@ -1,0 +1,290 @@
+"""Hugging Face <-> Megatron-core weight mapping for Llama / Qwen2 / Qwen3 (exact, bit for bit).
+
+Layout facts this module encodes:
+- Megatron's ``linear_qkv`` stores q, k, v interleaved per KV group: for each of the G groups,
+  its (heads/G) query heads, then its key head, then its value head (rows of head_dim).
+- ``linear_fc1`` is [gate; up] stacked on the output dim; ``linear_fc2`` is down_proj.
+- Norms: the local spec has ``input_layernorm`` / ``pre_mlp_layernorm`` modules; the
+  TransformerEngine spec fuses them into ``linear_qkv.layer_norm_weight`` /
+  ``linear_fc1.layer_norm_weight`` (``fused_norms=True``). Qwen3 qk-norm is ``q_layernorm`` /
+  ``k_layernorm``.
+- Embedding / output rows are padded with zeros to ``arch.padded_vocab_size`` and stripped on
+  export.
+
+"Full" Megatron state dicts use GLOBAL layer indices and un-sharded tensors. Tensor parallel
+helpers split a full tensor for TP rank r of n and gather shards back (column-parallel: dim 0,
+with gate/up split separately; row-parallel: dim 1; vocab-parallel embedding/output: dim 0).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from slime_server.trainer.model import ModelArch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# Megatron per-layer name -> HF per-layer name, for tensors that map one to one.
+_ONE_TO_ONE = {
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_INPUT_NORM = {False: "input_layernorm.weight", True: "self_attention.linear_qkv.layer_norm_weight"}
+_MLP_NORM = {False: "pre_mlp_layernorm.weight", True: "mlp.linear_fc1.layer_norm_weight"}
+
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+_GATE_UP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+
+
+# ---------------------------------------------------------------- pure tensor layout helpers
+
+
+def _pad_vocab(t: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    if t.shape[0] == arch.padded_vocab_size:
+        return t
+    pad = t.new_zeros(arch.padded_vocab_size - t.shape[0], *t.shape[1:])
+    return torch.cat([t, pad], dim=0)
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """HF q/k/v projections (weight [out, in] or bias [out]) -> Megatron linear_qkv layout."""
+    g, d = arch.num_kv_heads, arch.head_dim
+    tail = q.shape[1:]
+    parts = [q.reshape(g, -1, d, *tail), k.reshape(g, 1, d, *tail), v.reshape(g, 1, d, *tail)]
+    return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``interleave_qkv``: Megatron linear_qkv -> HF (q, k, v)."""
+    g, d = arch.num_kv_heads, arch.head_dim
+    per_group = arch.num_heads // g
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(g, per_group + 2, d, *tail)
+    q, k, v = grouped.split([per_group, 1, 1], dim=1)
+    return (q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(),
+            v.reshape(-1, *tail).contiguous())
+
+
+def _suffix(name: str) -> str:
+    m = _LAYER.match(name)
+    return m.group(2) if m else name
+
+
+def split_for_tp(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The shard of a full Megatron tensor that TP rank ``tp_rank`` of ``tp_size`` holds."""
+    if tp_size == 1:
+        return full
+    suffix = _suffix(name)
+    if suffix in _COLUMN_PARALLEL or suffix in _VOCAB_PARALLEL:
+        return full.chunk(tp_size, dim=0)[tp_rank].contiguous()
+    if suffix in _ROW_PARALLEL:
+        return full.chunk(tp_size, dim=1)[tp_rank].contiguous()
+    if suffix in _GATE_UP:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
+    return full
+
+
+def gather_from_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Full Megatron tensor from the per-rank shards (inverse of ``split_for_tp``)."""
+    if len(shards) == 1:
+        return shards[0]
+    suffix = _suffix(name)
+    if suffix in _COLUMN_PARALLEL or suffix in _VOCAB_PARALLEL:
+        return torch.cat(shards, dim=0)
+    if suffix in _ROW_PARALLEL:
+        return torch.cat(shards, dim=1)
+    if suffix in _GATE_UP:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return shards[0]
+
+
+# ---------------------------------------------------------------- whole-state-dict mapping
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, torch.Tensor], arch: ModelArch, *, fused_norms: bool = False
+) -> dict[str, torch.Tensor]:
+    """HF state dict -> full Megatron state dict (global layer indices, vocab padded)."""
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+
+    def take(key: str) -> torch.Tensor:
+        if key not in hf_state:
+            raise KeyError(f"HF checkpoint is missing {key!r}")
+        used.add(key)
+        return hf_state[key]
+
+    out["embedding.word_embeddings.weight"] = _pad_vocab(take("model.embed_tokens.weight"), arch)
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    if not arch.tied_embeddings:
+        out["output_layer.weight"] = _pad_vocab(take("lm_head.weight"), arch)
+    elif "lm_head.weight" in hf_state:
+        used.add("lm_head.weight")  # tied: the same tensor as embed_tokens
+    for i in range(arch.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        out[mg + "self_attention.linear_qkv.weight"] = interleave_qkv(
+            take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"), arch)
+        if arch.qkv_bias:
+            out[mg + "self_attention.linear_qkv.bias"] = interleave_qkv(
+                take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"), arch)
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
+            [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")], dim=0)
+        out[mg + _INPUT_NORM[fused_norms]] = take(hf + "input_layernorm.weight")
+        out[mg + _MLP_NORM[fused_norms]] = take(hf + "post_attention_layernorm.weight")
+        for mg_name, hf_name in _ONE_TO_ONE.items():
+            if "layernorm" in mg_name and not arch.qk_norm:
+                continue
+            out[mg + mg_name] = take(hf + hf_name)
+    unused = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise KeyError(f"HF tensors with no Megatron counterpart: {unused[:8]}")
+    return out
+
+
+def megatron_tensor_to_hf(
+    name: str, tensor: torch.Tensor, arch: ModelArch
+) -> list[tuple[str, torch.Tensor]]:
+    """One full Megatron tensor (global layer index) -> its HF (name, tensor) pairs."""
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", tensor[: arch.vocab_size])]
+    if name == "output_layer.weight":
+        return [] if arch.tied_embeddings else [("lm_head.weight", tensor[: arch.vocab_size])]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", tensor)]
+    m = _LAYER.match(name)
+    if m is None:
+        raise KeyError(f"unknown Megatron tensor {name!r}")
+    hf, suffix = f"model.layers.{m.group(1)}.", m.group(2)
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        q, k, v = split_qkv(tensor, arch)
+        return [(f"{hf}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v), strict=True)]
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(hf + "mlp.gate_proj.weight", gate.contiguous()), (hf + "mlp.up_proj.weight", up.contiguous())]
+    if suffix in _INPUT_NORM.values():
+        return [(hf + "input_layernorm.weight", tensor)]
+    if suffix in _MLP_NORM.values():
+        return [(hf + "post_attention_layernorm.weight", tensor)]
+    if suffix in _ONE_TO_ONE:
+        return [(hf + _ONE_TO_ONE[suffix], tensor)]
+    raise KeyError(f"unknown Megatron tensor {name!r}")
+
+
+def megatron_to_hf(mg_state: Mapping[str, torch.Tensor], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full Megatron state dict -> stream of (HF name, tensor). ``_extra_state`` entries are skipped."""
+    for name, tensor in mg_state.items():
+        if name.endswith("_extra_state") or tensor is None:
+            continue
+        yield from megatron_tensor_to_hf(name, tensor, arch)
+
+
+# ---------------------------------------------------------------- live model I/O
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _layer_offset(model: nn.Module) -> int:
+    """Global index of this pipeline stage's first layer (Megatron names layers per stage)."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def _to_global(name: str, offset: int) -> str:
+    m = _LAYER.match(name)
+    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
+
+
+def uses_fused_norms(model: nn.Module) -> bool:
+    """True for the TransformerEngine spec (norms fused into linear_qkv / linear_fc1)."""
+    return any(n.endswith("layer_norm_weight") for n, _ in _unwrap(model).named_parameters())
+
+
+def load_megatron_state_into(model: nn.Module, full_state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a full Megatron state dict into this rank's (TP shard, PP stage) parameters."""
+    from megatron.core import parallel_state as ps
+
+    inner = _unwrap(model)
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    offset = _layer_offset(inner)
+    with torch.no_grad():
+        for name, param in inner.named_parameters():
+            key = _to_global(name, offset)
+            if key == "output_layer.weight" and inner.arch.tied_embeddings:
+                key = "embedding.word_embeddings.weight"  # last PP stage's copy of the tied embedding
+            if key not in full_state:
+                raise KeyError(f"checkpoint has no tensor for parameter {key!r}")
+            full = full_state[key]
+            if key in _VOCAB_PARALLEL:
+                full = _pad_vocab(full[: inner.arch.vocab_size], inner.arch)
+            shard = split_for_tp(key, full, tp_rank, tp_size)
+            if shard.shape != param.shape:
+                raise ValueError(f"{key}: checkpoint shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
+            param.copy_(shard)
+
+
+def read_hf_state_dict(hf_path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory (one or many ``*.safetensors`` files)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(hf_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {hf_path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_hf_checkpoint_into(model: nn.Module, hf_path: str | Path) -> None:
+    """Load an HF checkpoint directory into a GPTModel built by ``build_gpt_model``."""
+    inner = _unwrap(model)
+    full = hf_to_megatron(read_hf_state_dict(hf_path), inner.arch, fused_norms=uses_fused_norms(inner))
+    load_megatron_state_into(inner, full)
+
+
+def iter_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream this PP stage's weights as (HF name, full tensor), all-gathering TP shards.
+
+    Every rank of the TP group must iterate (the gathers are collectives); all get full tensors.
+    Replicated tensors (norms) are views of the live parameters: copy them (e.g. into a bucket)
+    before the next optimizer step.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    inner = _unwrap(model)
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    group = ps.get_tensor_model_parallel_group() if tp_size > 1 else None
+    offset = _layer_offset(inner)
+    for name, param in inner.named_parameters():
+        key = _to_global(name, offset)
+        local = param.detach()
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(local) for _ in range(tp_size)]
+            dist.all_gather(shards, local.contiguous(), group=group)
+            local = gather_from_tp(key, shards)
+        yield from megatron_tensor_to_hf(key, local, inner.arch)
+
+
+def export_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as an HF state dict (CPU tensors, cloned)."""
+    return {name: t.detach().to("cpu", copy=True) for name, t in iter_hf_tensors(model)}
+

@@ -1,0 +1,274 @@
+"""Build a Megatron-core ``GPTModel`` from a Hugging Face config, and run it on token ids.
+
+Supported families: Llama, Qwen2 (qkv bias) and Qwen3 (qk-norm, explicit head_dim), with GQA,
+tied or untied embeddings, RoPE base, RMSNorm eps and SwiGLU taken from the HF config.
+The local (pure Megatron-core) layer spec is used on CPU; the TransformerEngine spec when TE is
+importable and a GPU is present. Vocabulary rows are padded only as far as tensor parallelism
+needs (a multiple of the TP size) and ``forward_logits`` slices logits back to the HF vocab.
+
+``forward_logits`` owns the mask convention (Megatron: True = masked out) and supports
+PACKED rows: several samples concatenated with position ids restarting at 0 per sample get a
+block-diagonal causal mask and RoPE at their own positions, so packed == unpacked exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slime_server.trainer.megatron_cpu import apply_cpu_patches, cuda_available
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The architecture facts conversion and logits slicing need, read once from the HF config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+
+
+def _rope_theta(hf_config: Any) -> float:
+    """RoPE base from either transformers layout (``rope_theta`` or 5.x ``rope_parameters``)."""
+    theta = getattr(hf_config, "rope_theta", None)
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if isinstance(params, dict):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ValueError(f"unsupported RoPE scaling type {rope_type!r} (only default RoPE)")
+        theta = params.get("rope_theta", theta)
+    return float(theta if theta is not None else 10000.0)
+
+
+def arch_from_hf_config(hf_config: Any, tp_size: int = 1) -> ModelArch:
+    """Read a transformers Llama/Qwen2/Qwen3 config; reject anything this mapping cannot represent."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (SwiGLU/silu only)")
+    if getattr(hf_config, "mlp_bias", False) or getattr(hf_config, "attention_bias", False):
+        raise ValueError("bias on MLP or attention projections is not supported (Qwen2 qkv bias is)")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported")
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    if num_heads % tp_size or num_kv_heads % tp_size:
+        raise ValueError(f"heads ({num_heads}) and kv heads ({num_kv_heads}) must divide by TP {tp_size}")
+    qkv_bias = model_type == "qwen2"
+    vocab = hf_config.vocab_size
+    return ModelArch(
+        model_type=model_type, num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, vocab_size=vocab, padded_vocab_size=math.ceil(vocab / tp_size) * tp_size,
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3", rms_norm_eps=float(hf_config.rms_norm_eps),
+        rope_theta=_rope_theta(hf_config), max_position_embeddings=hf_config.max_position_embeddings,
+    )
+
+
+def _use_transformer_engine() -> bool:
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _layer_spec(arch: ModelArch, use_te: bool) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+class PositionIdsRotaryEmbedding(nn.Module):
+    """Wraps Megatron's RotaryEmbedding so RoPE follows explicit position ids.
+
+    Megatron's dense (sbhd) path rotates token i by angle(i); packed rows need angle(position_id)
+    because positions restart per sample. With ``positions`` set, the returned frequencies are
+    [s, b, 1, d] (one row per token), which Megatron's ``apply_rotary_pos_emb`` broadcasts.
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.positions: torch.Tensor | None = None
+
+    def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len: int, **kwargs: Any) -> torch.Tensor:
+        if self.positions is None:
+            return self.inner(max_seq_len, **kwargs)
+        table = self.inner(int(self.positions.max()) + 1, **kwargs)[:, 0, 0, :]  # [max_pos, d]
+        return table[self.positions.t()].unsqueeze(2)  # [s, b, 1, d]
+
+
+def build_gpt_model(
+    hf_config: Any, *, params_dtype: torch.dtype = torch.float32, use_te: bool | None = None,
+    pre_process: bool | None = None, post_process: bool | None = None, parallel_output: bool = True,
+    **config_overrides: Any,
+) -> nn.Module:
+    """A Megatron-core GPTModel matching ``hf_config``; parallel_state must be initialised.
+
+    ``config_overrides`` go to TransformerConfig (e.g. recompute settings). The model carries
+    its ``ModelArch`` as ``model.arch`` for conversion and logits slicing.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    on_cpu = not cuda_available()
+    if on_cpu:
+        apply_cpu_patches()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    arch = arch_from_hf_config(hf_config, tp)
+    if arch.num_layers % pp:
+        raise ValueError(f"{arch.num_layers} layers do not split evenly over PP={pp}")
+    use_te = _use_transformer_engine() if use_te is None else use_te
+    settings: dict[str, Any] = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=params_dtype,
+        sequence_parallel=False,
+        # Fused kernels are CUDA-only (and RoPE fusion would ignore per-token positions).
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=on_cpu,
+    )
+    settings.update(config_overrides)
+    config = TransformerConfig(**settings)
+    model = GPTModel(
+        config=config, transformer_layer_spec=_layer_spec(arch, use_te), vocab_size=arch.padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage() if pre_process is None else pre_process,
+        post_process=ps.is_pipeline_last_stage() if post_process is None else post_process,
+        parallel_output=parallel_output, share_embeddings_and_output_weights=arch.tied_embeddings,
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+    )
+    model.rotary_pos_emb = PositionIdsRotaryEmbedding(model.rotary_pos_emb)
+    model.arch = arch
+    model.uses_te = use_te
+    return model
+
+
+def _segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Sample index of every token in a packed row: a new sample starts where positions restart."""
+    starts = torch.ones_like(position_ids, dtype=torch.long)
+    starts[:, 1:] = (position_ids[:, 1:] <= position_ids[:, :-1]).long()
+    return starts.cumsum(dim=1)
+
+
+def _is_packed(position_ids: torch.Tensor) -> bool:
+    return bool((position_ids[:, 1:] <= position_ids[:, :-1]).any())
+
+
+def build_attention_mask(
+    position_ids: torch.Tensor, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Megatron attention mask [b, 1, s, s], True = masked out.
+
+    Causal within each packed sample (block-diagonal over samples found from ``position_ids``);
+    keys where ``padding_mask`` (HF convention, 1 = real token) is 0 are masked too, except each
+    token's own position so a padding row never has an empty softmax.
+    """
+    b, s = position_ids.shape
+    seg = _segment_ids(position_ids)
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = causal.unsqueeze(0) & (seg.unsqueeze(2) == seg.unsqueeze(1))
+    if padding_mask is not None:
+        allowed &= padding_mask.bool().unsqueeze(1)
+        allowed |= torch.eye(s, dtype=torch.bool, device=position_ids.device).unsqueeze(0)
+    return (~allowed).unsqueeze(1)
+
+
+def _mask_vocab_padding(shard: torch.Tensor, arch: ModelArch, tp_rank: int) -> torch.Tensor:
+    """Push the TP padding columns (token ids >= vocab_size) of a logits shard out of any softmax.
+
+    The dtype minimum rather than -inf keeps p * log p finite (0 * min == 0) in entropy terms.
+    """
+    width = shard.shape[-1]
+    valid = arch.vocab_size - tp_rank * width
+    if valid >= width:
+        return shard
+    padding = torch.arange(width, device=shard.device) >= valid
+    return shard.masked_fill(padding, torch.finfo(shard.dtype).min)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def forward_logits(
+    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None, *, gather: bool = True,
+) -> torch.Tensor:
+    """Logits [b, s, vocab] of a GPTModel (plain or DDP-wrapped) for ``input_ids`` [b, s].
+
+    ``position_ids`` [b, s] restarting at 0 mark packed samples (default: 0..s-1 per row).
+    ``attention_mask`` is either an HF padding mask [b, s] (1 = keep) or a ready Megatron mask
+    [b, 1, s, s] (True = masked out). With ``gather`` the TP-sharded logits are all-gathered and
+    sliced to the HF vocab size; without it the local vocab shard [b, s, padded_vocab / tp] is
+    returned (for vocab-parallel losses) with its padding columns set to the dtype minimum.
+    On non-last pipeline stages the hidden states are returned unchanged. Calling the model
+    directly ignores ``position_ids`` for RoPE (Megatron's dense path): packed rows need this.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    inner = _unwrap(model)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    if position_ids.shape != input_ids.shape:
+        raise ValueError("position_ids must have the same shape as input_ids")
+    if getattr(inner, "uses_te", False) and (attention_mask is not None or _is_packed(position_ids)):
+        # TE attention runs with attn_mask_type=causal and ignores an explicit mask.
+        raise NotImplementedError("packed or padded rows need the local layer spec (use_te=False)")
+    if attention_mask is None or attention_mask.dim() == 2:
+        attention_mask = build_attention_mask(position_ids, attention_mask)
+    rope = inner.rotary_pos_emb
+    rope.positions = position_ids
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask)
+    finally:
+        rope.positions = None
+    if not inner.post_process:
+        return out
+    if not gather:
+        return _mask_vocab_padding(out, inner.arch, ps.get_tensor_model_parallel_rank())
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        out = gather_from_tensor_model_parallel_region(out)
+    return out[..., : inner.arch.vocab_size]
