@@ -119,7 +119,7 @@ def build_tokenizer(spec: TinyModelSpec):
     tok.train_from_iterator(synthetic_corpus(spec.seed), trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
-    
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -1,0 +1,163 @@
+"""``slime-server`` entry point.
+
+Subcommands live in ``SUBCOMMANDS`` as lazy ``"module:attr"`` references to objects with
+``help``, ``add_arguments(parser)`` and ``run(args, settings) -> int``; adding one (serve, demo,
+train, ...) is one line here plus the object in its own module. Every subcommand gets ``--config``,
+the common settings flags in ``SETTINGS_FLAGS`` and the ``--sglang-*`` pass-through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from slime_server.config import ConfigError, ServerSettings, load_settings, split_passthrough
+
+
+class Subcommand(Protocol):
+    help: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace, settings: ServerSettings) -> int: ...
+
+
+SUBCOMMANDS: dict[str, str] = {
+    "engines": "slime_server.cli:EnginesCommand",
+    "serve": "slime_server.api.serve_cmd:ServeCommand",
+    "demo": "slime_server.demo:DemoCommand",
+}
+
+# flag -> (dotted settings path, type). Values left at None do not override env/YAML.
+SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
+    "--model": ("engine.model", str),
+    "--num-engines": ("engine.num_engines", int),
+    "--engine-kind": ("engine.kind", str),
+    "--max-running-requests": ("engine.max_running_requests", int),
+    "--router-policy": ("router.policy", str),
+    "--router-host": ("router.host", str),
+    "--router-port": ("router.port", int),
+    "--ray-address": ("ray.address", str),
+    "--ray-num-cpus": ("ray.num_cpus", int),
+}
+
+
+def _dest(flag: str) -> str:
+    return "setting:" + SETTINGS_FLAGS[flag][0]
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML settings file (below env vars and flags in precedence)")
+    group = parser.add_argument_group("settings (override SLIME_* env vars and --config)")
+    for flag, (path, typ) in SETTINGS_FLAGS.items():
+        group.add_argument(flag, dest=_dest(flag), type=typ, default=None, metavar=path.split(".")[-1].upper(),
+                           help=f"sets {path}")
+
+
+def settings_from_args(args: argparse.Namespace, passthrough: dict[str, dict[str, Any]]) -> ServerSettings:
+    """Merge flags (and pass-through dicts) over env vars, YAML and defaults."""
+    overrides: dict[str, Any] = {section: dict(fields) for section, fields in passthrough.items()}
+    for flag, (path, _) in SETTINGS_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        section, field = path.split(".")
+        overrides.setdefault(section, {})[field] = value
+    return load_settings(args.config, overrides)
+
+
+def _load(ref: str) -> Subcommand:
+    module, _, attr = ref.partition(":")
+    obj = getattr(importlib.import_module(module), attr)
+    return obj() if isinstance(obj, type) else obj
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Subcommand]]:
+    parser = argparse.ArgumentParser(prog="slime-server", description="Asynchronous agent RL server.",
+                                     epilog="Any --sglang-KEY VALUE flag is passed to SGLang as --KEY VALUE.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands: dict[str, Subcommand] = {}
+    for name, ref in SUBCOMMANDS.items():
+        cmd = _load(ref)
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        add_settings_arguments(p)
+        cmd.add_arguments(p)
+        commands[name] = cmd
+    return parser, commands
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, commands = build_parser()
+    try:
+        rest, passthrough = split_passthrough(argv)
+    except ConfigError as e:
+        parser.error(str(e))
+    args = parser.parse_args(rest)
+    try:
+        settings = settings_from_args(args, passthrough)
+    except (ConfigError, ValidationError) as e:
+        parser.error(f"invalid settings: {e}")
+    return commands[args.command].run(args, settings)
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGINT/SIGTERM so startup and waiting unwind through finally."""
+
+
+def run_until_signal(start, stop) -> int:
+    """Run ``start()``; block until SIGINT/SIGTERM; then ``stop(obj)`` exactly once. Returns 0."""
+    fired = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        if not fired.is_set():
+            fired.set()
+            raise _Stop(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    obj = None
+    try:
+        obj = start()
+        while not fired.wait(3600):
+            pass
+    except _Stop:
+        pass
+    finally:
+        for s in old:  # a second Ctrl-C must not interrupt cleanup
+            signal.signal(s, signal.SIG_IGN)
+        if obj is not None:
+            stop(obj)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0
+
+
+class EnginesCommand:
+    help = "start Ray, N rollout engines and the sgl-router; print the router URL; stop on Ctrl-C/SIGTERM"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--log-dir", default=None, help="engine and router logs (default: a temp dir)")
+
+    def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
+        from slime_server.launch import Deployment
+
+        def start() -> Deployment:
+            dep = Deployment.start(settings, log_dir=args.log_dir)
+            print(f"router_url: {dep.router_url}", flush=True)
+            for url in dep.engine_urls:
+                print(f"engine_url: {url}", flush=True)
+            print(f"log_dir: {dep.log_dir}", flush=True)
+            return dep
+
+        code = run_until_signal(start, lambda dep: dep.shutdown())
+        print("stopped", flush=True)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""One settings tree for the whole server.
+
+Precedence, highest first: command-line flags > ``SLIME_*`` env vars (``__`` nests, e.g.
+``SLIME_ENGINE__NUM_ENGINES=2``) > the YAML file given with ``--config`` > defaults.
+
+Adding a section (gateway, buffer, trainer, ...): define a ``BaseModel`` with defaults and add one
+field to ``ServerSettings``; env vars, YAML and ``load_settings`` pick it up with no other change.
+Pass-through flags (``--sglang-*`` today) are declared in ``PASSTHROUGH_PREFIXES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+RouterPolicy = Literal["round_robin", "cache_aware", "random", "power_of_two", "manual"]
+EngineKind = Literal["cpu", "sglang"]
+
+
+class _Section(BaseModel):
+    """Sections reject unknown keys so a typo in YAML/env fails loudly instead of being ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineSettings(_Section):
+    """Rollout engines: what to serve and how many copies."""
+
+    model: str = Field("tiny", description='HF model directory, or "tiny" for the built-in test model')
+    num_engines: int = Field(1, ge=0)
+    kind: EngineKind = "cpu"
+    host: str = "127.0.0.1"
+    max_running_requests: int = Field(32, ge=1)
+    num_cpus_per_engine: float = Field(1.0, ge=0, description="Ray CPU resource reserved per engine actor")
+    num_gpus_per_engine: float = Field(1.0, ge=0, description="Ray GPU resource per SGLang engine actor")
+    torch_threads: int = Field(1, ge=1, description="torch threads inside each CPU engine process")
+    startup_timeout_s: float = Field(300.0, gt=0)
+    health_interval_s: float = Field(5.0, gt=0, description="how often an actor probes its engine")
+    sglang_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed to `sglang.launch_server` as --key value (from --sglang-key value flags)",
+    )
+
+
+class RouterSettings(_Section):
+    """The sgl-router process in front of the engines."""
+
+    policy: RouterPolicy = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    request_timeout_secs: int = Field(600, ge=1)
+    health_check_interval_secs: int = Field(10, ge=1)
+    worker_startup_timeout_secs: int = Field(120, ge=1)
+    log_level: Literal["debug", "info", "warn", "error"] = "warn"
+    startup_timeout_s: float = Field(60.0, gt=0)
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="more `launch_router` flags (from --router-key value flags)",
+    )
+
+
+class RaySettings(_Section):
+    """Where the actors live: a fresh local cluster (address None) or an existing one."""
+
+    address: str | None = None
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local cluster; default: enough for the engines")
+    namespace: str = "slime-server"
+
+
+class GatewaySettings(_Section):
+    """The OpenAI-compatible gateway (slime_server/api): port, auth, parsers, limits, trajectory DB."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = Field(None, description="model id clients send; default: the model dir name")
+    api_key: str | None = Field(None, description="if set, /v1 needs 'Authorization: Bearer <api_key>'")
+    tool_parser: str = Field("hermes", description="hermes | qwen | llama3_json (see api/tool_parsers.py)")
+    reasoning_parser: str | None = Field("qwen3", description="qwen3 | deepseek-r1 | glm45 | None")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_n: int = Field(8, ge=1, le=16)
+    engine_supports_penalties: bool = Field(
+        False, description="SGLang engines do; the built-in CPU engine does not (requests then get a 400)")
+    engine_timeout_s: float = Field(600.0, gt=0)
+    db_path: str = Field("slime_server.db", description="SQLite trajectory store")
+
+
+class ServerSettings(BaseSettings):
+    """Root of the settings tree."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SLIME_", env_nested_delimiter="__", extra="forbid", nested_model_default_partial_update=True,
+    )
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    ray: RaySettings = Field(default_factory=RaySettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # init kwargs carry the CLI flags; YAML (if any) sits below env vars.
+        return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)
+
+
+# flag prefix -> (section, dict field) that collects `--prefix-key value` flags verbatim.
+PASSTHROUGH_PREFIXES: dict[str, tuple[str, str]] = {
+    "--sglang-": ("engine", "sglang_args"),
+    "--router-extra-": ("router", "extra_args"),
+}
+
+
+class ConfigError(ValueError):
+    """Bad configuration input (unreadable YAML, malformed pass-through flags)."""
+
+
+def load_settings(config_file: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> ServerSettings:
+    """Build the settings tree; ``overrides`` is a nested dict of CLI values (None values are dropped)."""
+    cleaned = _drop_none(dict(overrides or {}))
+    if config_file is None:
+        return ServerSettings(**cleaned)
+    path = Path(config_file)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level")
+
+    class _FromYaml(ServerSettings):
+        model_config = SettingsConfigDict(yaml_file=str(path))
+
+    return _FromYaml(**cleaned)
+
+
+def split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Pull ``--sglang-foo-bar v`` style flags out of ``argv``.
+
+    Returns the remaining argv and ``{section: {field: {foo_bar: v}}}``. A flag followed by another
+    flag (or nothing) is a boolean switch (value True); ``--flag=v`` works too. Repeated flags collect
+    into a list. Keys use underscores, SGLang's ServerArgs field names.
+    """
+    rest: list[str] = []
+    found: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        prefix = next((p for p in PASSTHROUGH_PREFIXES if arg.startswith(p)), None)
+        if prefix is None:
+            rest.append(arg)
+            i += 1
+            continue
+        name, eq, value = arg[len(prefix):].partition("=")
+        if not name:
+            raise ConfigError(f"empty pass-through flag: {arg!r}")
+        if not eq:
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            value = argv[i + 1] if has_value else True
+            i += 1 if has_value else 0
+        i += 1
+        section, field = PASSTHROUGH_PREFIXES[prefix]
+        bucket = found.setdefault(section, {}).setdefault(field, {})
+        key = name.replace("-", "_")
+        if key in bucket:
+            prev = bucket[key]
+            bucket[key] = [*prev, value] if isinstance(prev, list) else [prev, value]
+        else:
+            bucket[key] = value
+    return rest, found
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            v = _drop_none(v)
+            if not v:
+                continue
+        if v is not None:
+            out[k] = v
+    return out

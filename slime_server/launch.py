@@ -1,0 +1,195 @@
+"""Bring up the rollout side: Ray, N engine actors, the sgl-router, and the workers registered in it.
+
+``Deployment`` is the one handle the CLI, the gateway and the trainer hold: it knows the router URL
+and every engine URL, grows and shrinks the engine pool at run time, and tears everything down
+(engines first, then the router, then Ray if it started it) so nothing outlives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from slime_server.config import EngineSettings, ServerSettings
+from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, log_path_for
+from slime_server.rollout.router import RouterProcess
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: str) -> str:
+    """``"tiny"`` -> the cached built-in tiny model; anything else is used as given."""
+    if model == "tiny":
+        from slime_server.models.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return model
+
+
+def _init_ray(settings: ServerSettings) -> bool:
+    """Start (or join) Ray; returns True when this call started it and so must shut it down."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    common: dict[str, Any] = dict(namespace=settings.ray.namespace, log_to_driver=False,
+                                  include_dashboard=False, configure_logging=False)
+    # Ray's core worker installs its own SIGTERM handler (log + re-raise: exit 143, no cleanup);
+    # keep whatever the caller installed so shutdown stays in the caller's hands.
+    main_thread = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
+    if settings.ray.address:
+        ray.init(address=settings.ray.address, **common)
+    else:
+        eng = settings.engine
+        needed = math.ceil(eng.num_engines * eng.num_cpus_per_engine)
+        num_cpus = settings.ray.num_cpus or max(os.cpu_count() or 1, needed, 1)
+        ray.init(num_cpus=num_cpus, **common)
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+    return True
+
+
+class Deployment:
+    """Running engines + router. Use ``Deployment.start(settings)``; always ``shutdown()``."""
+
+    def __init__(self, settings: ServerSettings, log_dir: str | Path | None = None,
+                 actor_cls: type[EngineActor] = EngineActor) -> None:
+        self.settings = settings
+        self.actor_cls = actor_cls
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="slime-server-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.model_path = resolve_model_path(settings.engine.model)
+        if settings.engine.sglang_args and settings.engine.kind != "sglang":
+            log.warning("engine.kind is %r: ignoring sglang_args %s", settings.engine.kind,
+                        sorted(settings.engine.sglang_args))
+        self.router = RouterProcess(settings.router, log_path=log_path_for(self.log_dir, "router"))
+        self._actors: dict[str, Any] = {}  # url -> Ray actor handle
+        self._owns_ray = False
+        self._next_index = 0
+        self._lock = threading.RLock()  # the gateway/trainer may grow or shrink the pool from threads
+
+    @classmethod
+    def start(cls, settings: ServerSettings, log_dir: str | Path | None = None,
+              actor_cls: type[EngineActor] = EngineActor) -> Deployment:
+        """Ray up, router up, ``settings.engine.num_engines`` engines up and registered."""
+        dep = cls(settings, log_dir, actor_cls)
+        try:
+            dep._owns_ray = _init_ray(settings)
+            dep.router.start()
+            dep.add_engines(settings.engine.num_engines)
+        except BaseException:
+            dep.shutdown()
+            raise
+        return dep
+
+    @property
+    def router_url(self) -> str:
+        return self.router.url
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return list(self._actors)
+
+    def _spec(self, engine: EngineSettings) -> EngineSpec:
+        with self._lock:
+            name = f"engine-{self._next_index}"
+            self._next_index += 1
+        return EngineSpec(
+            kind=engine.kind, model_path=self.model_path, host=engine.host,
+            max_running_requests=engine.max_running_requests, torch_threads=engine.torch_threads,
+            sglang_args=engine.sglang_args, startup_timeout_s=engine.startup_timeout_s,
+            health_interval_s=engine.health_interval_s, log_path=log_path_for(self.log_dir, name),
+        )
+
+    def add_engines(self, n: int) -> list[str]:
+        """Start ``n`` engines in parallel, register each with the router; returns their URLs."""
+        import ray
+
+        eng = self.settings.engine
+        gpus = eng.num_gpus_per_engine if eng.kind == "sglang" else 0
+        remote_cls = ray.remote(self.actor_cls).options(num_cpus=eng.num_cpus_per_engine, num_gpus=gpus,
+                                                      max_concurrency=4)
+        actors = [remote_cls.remote(self._spec(eng)) for _ in range(n)]
+        try:
+            urls = ray.get([a.url.remote() for a in actors], timeout=eng.startup_timeout_s + 30)
+        except BaseException:
+            for a in actors:
+                _stop_actor(a)
+            raise
+        for url, actor in zip(urls, actors, strict=True):
+            with self._lock:
+                self._actors[url] = actor
+            self.router.add_worker(url)
+        return urls
+
+    def add_engine(self) -> str:
+        return self.add_engines(1)[0]
+
+    def remove_engine(self, url: str | None = None) -> str:
+        """Deregister from the router first (no new traffic), then stop the engine. Default: newest."""
+        with self._lock:
+            if not self._actors:
+                raise KeyError("no engines to remove")
+            url = url or list(self._actors)[-1]
+            if url not in self._actors:
+                raise KeyError(f"no engine at {url}")
+            actor = self._actors.pop(url)
+        self.router.remove_worker(url)
+        _stop_actor(actor)
+        return url
+
+    def engine_status(self) -> list[EngineStatus]:
+        import ray
+
+        return ray.get([a.status.remote() for a in self._actors.values()])
+
+    def restart_engine(self, url: str) -> str:
+        """Kill and restart the engine at ``url`` on the same port (the router keeps its entry)."""
+        import ray
+
+        return ray.get(self._actors[url].restart.remote())
+
+    def actor(self, url: str) -> Any:
+        """The Ray actor handle owning the engine at ``url`` (for restart/status calls)."""
+        return self._actors[url]
+
+    def shutdown(self) -> None:
+        """Stop engines, then the router, then Ray if we started it. Safe to call twice."""
+        with self._lock:
+            actors, self._actors = list(self._actors.values()), {}
+        for actor in actors:
+            _stop_actor(actor)
+        self.router.close()
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _stop_actor(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.get(actor.stop.remote(), timeout=30)
+    except Exception:  # noqa: BLE001 - the actor may already be dead; kill it regardless
+        pass
+    try:
+        ray.kill(actor)
+    except Exception:  # noqa: BLE001 - Ray itself may be gone (Ctrl-C reached its processes too)
+        pass

@@ -1,0 +1,606 @@
+"""CPU inference engine: a Hugging Face causal LM driven by an iteration-level (continuous) batching
+scheduler, with per-request KV caches and bucketed, atomic weight updates.
+
+Design
+- One scheduler thread owns the model. Callers (HTTP handlers, in-process users) only enqueue
+  requests and receive results through a callback; nothing else touches the model.
+- Every iteration: apply a pending weight commit, admit waiting requests (prefill each alone, which
+  samples its first token), then run ONE decode step for every running request together. Requests
+  therefore join and leave the batch between decode steps.
+- KV cache: each request owns preallocated per-layer K/V buffers. A decode step assembles them
+  left-padded into one batch cache with an attention mask and explicit position ids, so each row sees
+  exactly its own history; a request gets the same tokens and log-probs as when run alone (up to
+  float rounding of the padded matmuls, ~1e-6).
+
+Log-prob rule (SGLang's default sampler): the log-prob of a sampled token is
+``log_softmax(logits / temperature)[token]`` from the same forward pass that sampled it, computed
+BEFORE top-k / top-p / min-p filtering (those only restrict which token may be drawn). temperature 0
+is greedy: argmax, with the log-prob from ``log_softmax(logits)`` (temperature 1). top_k 1 with a
+positive temperature is also argmax but keeps the temperature in its log-prob (what SGLang's sampler
+gives it in a mixed batch; its all-greedy fast path would drop the temperature, which would make the
+value depend on the batch). Input log-probs (``logprob_start_len >= 0``) use the same rule.
+
+Stop tokens: as SGLang, an EOS / ``stop_token_ids`` match is appended to ``output_ids`` (and to
+``output_token_logprobs``) and ``finish_reason.matched`` is its id; only the text drops it (unless
+``no_stop_trim``). A stop string ends generation with ``matched`` = the string; its tokens stay in
+``output_ids`` and the text is cut before it. ``ignore_eos`` disables both EOS and ``stop_token_ids``
+(SGLang checks them together); the length limit wins when both apply on the same token.
+
+Weight updates: buckets are staged (views, no copy) and, on commit, copied into the live parameters
+by the scheduler thread between two decode steps, so the switch is atomic for every request. Requests
+in flight keep their KV cache and continue on the new weights; the version of every output token is
+recorded (``output_token_weight_versions``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, Field
+
+from slime_server.rollout.protocol import FinishReason, GenerateOutput, LogprobEntry, MetaInfo, SamplingParams
+from slime_server.weights import Bucket, unpack
+
+log = logging.getLogger(__name__)
+KV_INITIAL_HEADROOM = 256  # output tokens' K/V space allocated at prefill; long generations grow it
+
+
+class EngineConfig(BaseModel):
+    """Engine knobs; the CLI flags map onto these one to one."""
+
+    model_path: str
+    max_running_requests: int = Field(32, ge=1)
+    max_total_tokens: int | None = Field(None, ge=1, description="KV tokens reserved by running requests")
+    context_length: int | None = Field(None, ge=1, description="default: config.max_position_embeddings")
+    weight_version: str = "0"
+    seed: int = 0
+    num_threads: int = Field(1, ge=1)
+
+
+class BadRequest(ValueError):
+    """Input the engine refuses (the server maps it to HTTP 400)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation (one prompt x one of its n samples) and all its scheduler state."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+    logprob_text: bool = False
+    on_update: Callable[[Sequence], None] | None = None
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[LogprobEntry]] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)
+    input_logprobs: list[LogprobEntry] | None = None
+    input_top: list[list[LogprobEntry] | None] | None = None
+    finish: FinishReason | None = None
+    created: float = field(default_factory=time.perf_counter)
+    finished_at: float | None = None
+    abort_requested: bool = False
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kv_len: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return len(self.prompt_ids) + (self.params.max_new_tokens or 0)
+
+
+class CPUEngine:
+    """Owns the model and the scheduler thread; thread-safe entry points for everything else."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config
+        torch.set_num_threads(config.num_threads)
+        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        mc = self.model.config
+        self.vocab_size: int = int(mc.vocab_size)
+        self.context_length: int = config.context_length or int(getattr(mc, "max_position_embeddings", 4096))
+        self.max_total_tokens: int = config.max_total_tokens or self.context_length * config.max_running_requests
+        self.eos_ids: set[int] = self._eos_ids()
+        self.weight_version: str = config.weight_version
+        self._params: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self._rng = random.Random(config.seed)
+        self._cv = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._paused = False
+        self._commit: tuple[str, threading.Event, list[BaseException]] | None = None
+        self._staged: dict[str, torch.Tensor] = {}
+        self._staged_keep: list[Bucket] = []
+        self._stage_lock = threading.Lock()
+        self._stop = False
+        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0, "finished": 0}
+        self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
+        self._thread.start()
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.model.config, getattr(self.model, "generation_config", None)):
+            e = getattr(src, "eos_token_id", None)
+            ids.update([e] if isinstance(e, int) else (e or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs_num: int = 0,
+                 logprob_start_len: int = -1) -> None:
+        """Raise BadRequest with a clear message for anything the engine cannot serve."""
+        if not prompt_ids:
+            raise BadRequest("input_ids must not be empty")
+        if params.max_new_tokens is None:
+            params = self.resolve(prompt_ids, params)
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.context_length:
+            raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                             f"= {total} exceeds the context length {self.context_length}")
+        if total > self.max_total_tokens:
+            raise BadRequest(f"request needs {total} KV tokens, more than max_total_tokens {self.max_total_tokens}")
+        if not 0 <= top_logprobs_num <= min(100, self.vocab_size):
+            raise BadRequest(f"top_logprobs_num must be in [0, {min(100, self.vocab_size)}]")
+        if logprob_start_len >= len(prompt_ids):
+            raise BadRequest(f"logprob_start_len {logprob_start_len} must be < prompt length {len(prompt_ids)}")
+
+    def resolve(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Fill what the request left to the engine: ``max_new_tokens: null`` means the rest of the context."""
+        if params.max_new_tokens is not None:
+            return params
+        room = max(self.context_length - len(prompt_ids), 0)
+        return params.model_copy(update={"max_new_tokens": room})
+
+    def submit(self, seq: Sequence) -> Sequence:
+        """Queue a validated sequence; ``seq.on_update`` fires (scheduler thread) per token if streaming
+        and once at the end; ``seq.done`` is set when it finishes."""
+        self.validate(seq.prompt_ids, seq.params, seq.top_logprobs_num, seq.logprob_start_len)
+        if seq.generator is None:
+            seed = seq.params.seed if seq.params.seed is not None else self._rng.getrandbits(63)
+            seq.generator = torch.Generator().manual_seed(seed)
+        with self._cv:
+            self._waiting.append(seq)
+            self._cv.notify_all()
+        return seq
+
+    def new_sequences(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                      **kw) -> list[Sequence]:
+        """The ``n`` sequences of one prompt; sample i uses seed ``seed + i`` when a seed is given."""
+        base = rid or uuid.uuid4().hex
+        params = self.resolve(prompt_ids, params)
+        out = []
+        for i in range(params.n):
+            p = params if params.seed is None else params.model_copy(update={"seed": params.seed + i})
+            out.append(Sequence(rid=base if params.n == 1 else f"{base}-{i}", prompt_ids=list(prompt_ids),
+                                params=p, **kw))
+        return out
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, timeout: float = 600,
+                 **kw) -> list[GenerateOutput]:
+        """Blocking in-process generation (``n`` results)."""
+        seqs = self.new_sequences(prompt_ids, params or SamplingParams(), **kw)
+        for s in seqs:
+            self.submit(s)
+        for s in seqs:
+            if not s.done.wait(timeout):
+                raise TimeoutError(f"request {s.rid} did not finish in {timeout}s")
+        return [self.result(s) for s in seqs]
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Abort matching requests (rid equal or rid-prefix of an n>1 group); returns how many."""
+        count = 0
+        with self._cv:
+            for s in itertools.chain(self._waiting, self._running):
+                if abort_all or s.rid == rid or s.rid.startswith(f"{rid}-"):
+                    s.abort_requested = True
+                    count += 1
+            self._cv.notify_all()
+        return count
+
+    def cancel(self, seqs: list[Sequence]) -> None:
+        """Abort exactly these sequences (e.g. their HTTP client went away)."""
+        with self._cv:
+            for s in seqs:
+                if s.finish is None:
+                    s.abort_requested = True
+            self._cv.notify_all()
+
+    def pause(self, abort_running: bool) -> None:
+        with self._cv:
+            self._paused = True
+        if abort_running:
+            self.abort(abort_all=True)
+            with self._cv:
+                self._cv.notify_all()
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def load(self) -> dict[str, int]:
+        with self._cv:
+            return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ weights
+    def stage_bucket(self, bucket: Bucket) -> int:
+        """Validate a bucket against the model and stage views of it; returns tensors staged."""
+        named = unpack(bucket)
+        self._check_loadable(named)
+        with self._stage_lock:
+            self._staged.update(named)
+            self._staged_keep.append(bucket)
+        return len(named)
+
+    def _check_loadable(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Every tensor must name a model tensor with the same shape (dtype may differ if both float)."""
+        for name, t in named:
+            p = self._params.get(name)
+            if p is None:
+                raise BadRequest(f"unknown parameter {name!r}")
+            if tuple(p.shape) != tuple(t.shape):
+                raise BadRequest(f"{name}: shape {list(t.shape)} != model shape {list(p.shape)}")
+            if not (t.dtype.is_floating_point and p.dtype.is_floating_point) and t.dtype != p.dtype:
+                raise BadRequest(f"{name}: dtype {t.dtype} cannot be loaded into {p.dtype}")
+
+    def staged_names(self) -> list[str]:
+        with self._stage_lock:
+            return list(self._staged)
+
+    def discard_staged(self) -> None:
+        with self._stage_lock:
+            self._staged.clear()
+            self._staged_keep.clear()
+
+    def commit_weights(self, version: str | int | None, timeout: float = 600) -> int:
+        """Switch to the staged tensors atomically between two decode steps; returns tensors loaded."""
+        with self._stage_lock:
+            n = len(self._staged)
+        done = threading.Event()
+        errors: list[BaseException] = []
+        new_version = self.weight_version if version is None else str(version)
+        with self._cv:
+            while self._commit is not None:
+                self._cv.wait()
+            self._commit = (new_version, done, errors)
+            self._cv.notify_all()
+        if not done.wait(timeout):
+            raise TimeoutError("weight commit did not run in time")
+        if errors:
+            raise errors[0]
+        return n
+
+    def load_weights_from_disk(self, model_path: str, version: str | None) -> int:
+        """Load a HF checkpoint's tensors (safetensors) through the same staging path."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise BadRequest(f"no *.safetensors files in {model_path!r}")
+        named: dict[str, torch.Tensor] = {}
+        for f in files:
+            named.update(load_file(str(f)))
+        self._check_loadable(list(named.items()))
+        with self._stage_lock:
+            self._staged.update(named)
+        return self.commit_weights(version)
+
+    def _apply_commit(self) -> None:
+        assert self._commit is not None
+        version, done, errors = self._commit
+        try:
+            with self._stage_lock, torch.no_grad():
+                for name, t in self._staged.items():
+                    self._params[name].copy_(t)
+                self._staged.clear()
+                self._staged_keep.clear()
+            self.weight_version = version
+        except BaseException as e:  # report to the committer; keep serving
+            errors.append(e)
+        finally:
+            self._commit = None
+            done.set()
+
+    # ------------------------------------------------------------------ scheduler
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and self._commit is None and not self._has_work():
+                    self._cv.wait()
+                if self._stop:
+                    break
+                if self._commit is not None:
+                    self._apply_commit()
+                    self._cv.notify_all()
+                self._reap_aborted()
+                admitted = self._admit()
+                running = list(self._running) if not self._paused else []
+            try:
+                with torch.inference_mode():
+                    for seq in admitted:
+                        self._prefill(seq)
+                    running = [s for s in running if s.finish is None]
+                    if running:
+                        self._decode(running)
+            except Exception as e:  # never kill the scheduler: fail the requests involved
+                log.exception("engine step failed")
+                for s in admitted + running:
+                    if s.finish is None:
+                        self._finish(s, FinishReason(type="abort", message=f"engine error: {e}"))
+            with self._cv:
+                self._running = [s for s in self._running if s.finish is None]
+
+    def _has_work(self) -> bool:
+        if any(s.abort_requested for s in itertools.chain(self._waiting, self._running)):
+            return True
+        return not self._paused and bool(self._waiting or self._running)
+
+    def _reap_aborted(self) -> None:
+        for s in [s for s in itertools.chain(self._waiting, self._running) if s.abort_requested]:
+            if s.finish is None:
+                self._finish(s, FinishReason(type="abort", message="aborted by request"))
+        self._waiting = deque(s for s in self._waiting if s.finish is None)
+        self._running = [s for s in self._running if s.finish is None]
+
+    def _admit(self) -> list[Sequence]:
+        if self._paused:
+            return []
+        used = sum(s.reserved_tokens for s in self._running)
+        admitted = []
+        while self._waiting and len(self._running) < self.config.max_running_requests:
+            s = self._waiting[0]
+            if self._running and used + s.reserved_tokens > self.max_total_tokens:
+                break
+            self._waiting.popleft()
+            self._running.append(s)
+            admitted.append(s)
+            used += s.reserved_tokens
+        return admitted
+
+    def _prefill(self, seq: Sequence) -> None:
+        from transformers import DynamicCache
+
+        ids = torch.tensor([seq.prompt_ids])
+        want_input = seq.return_logprob and seq.logprob_start_len >= 0
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=0 if want_input else 1)
+        logits = out.logits[0].float()
+        n_prompt = len(seq.prompt_ids)
+        cap = min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM)  # grows by doubling (_ensure_room)
+        seq.kv = []
+        for layer in cache.layers:
+            k, v = layer.keys[0], layer.values[0]  # [heads, n_prompt, head_dim]
+            kb = k.new_empty((k.shape[0], cap, k.shape[2]))
+            vb = v.new_empty((v.shape[0], cap, v.shape[2]))
+            kb[:, :n_prompt] = k
+            vb[:, :n_prompt] = v
+            seq.kv.append((kb, vb))
+        seq.kv_len = n_prompt
+        self.stats["prefill_tokens"] += n_prompt
+        if want_input:
+            self._input_logprobs(seq, logits)
+        if seq.params.max_new_tokens == 0:
+            self._finish(seq, FinishReason(type="length", length=0))
+            return
+        self._sample_and_append(seq, logits[-1])
+
+    def _input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        start = seq.logprob_start_len
+        lp = _logprobs(logits[:-1], seq.params)
+        targets = torch.tensor(seq.prompt_ids[1:])
+        chosen = lp.gather(-1, targets[:, None])[:, 0].tolist()
+        entries: list[LogprobEntry] = [] if start > 0 else [(None, seq.prompt_ids[0], None)]
+        tops: list[list[LogprobEntry] | None] = [] if start > 0 else [None]
+        for pos in range(max(start, 1), len(seq.prompt_ids)):
+            entries.append((chosen[pos - 1], seq.prompt_ids[pos], None))
+            if seq.top_logprobs_num:
+                tops.append(_top(lp[pos - 1], seq.top_logprobs_num))
+        seq.input_logprobs = entries
+        seq.input_top = tops if seq.top_logprobs_num else None
+
+    def _decode(self, batch: list[Sequence]) -> None:
+        from transformers import DynamicCache
+
+        n = len(batch)
+        width = max(s.kv_len for s in batch)
+        layers = []
+        for li in range(len(batch[0].kv)):
+            k0 = batch[0].kv[li][0]
+            kk = k0.new_zeros((n, k0.shape[0], width, k0.shape[2]))
+            vv = torch.zeros_like(kk)
+            for b, s in enumerate(batch):
+                kk[b, :, width - s.kv_len:] = s.kv[li][0][:, :s.kv_len]
+                vv[b, :, width - s.kv_len:] = s.kv[li][1][:, :s.kv_len]
+            layers.append((kk, vv))
+        mask = torch.zeros((n, width + 1), dtype=torch.long)
+        for b, s in enumerate(batch):
+            mask[b, width - s.kv_len:] = 1
+        ids = torch.tensor([[s.output_ids[-1]] for s in batch])
+        pos = torch.tensor([[s.kv_len] for s in batch])
+        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True)
+        for s in batch:
+            _ensure_room(s)
+        for li, layer in enumerate(cache.layers):
+            newk, newv = layer.keys[:, :, -1], layer.values[:, :, -1]
+            for b, s in enumerate(batch):
+                s.kv[li][0][:, s.kv_len] = newk[b]
+                s.kv[li][1][:, s.kv_len] = newv[b]
+        for s in batch:
+            s.kv_len += 1
+        self.stats["decode_steps"] += 1
+        logits = out.logits[:, -1].float()
+        for b, s in enumerate(batch):
+            self._sample_and_append(s, logits[b])
+
+    def _sample_and_append(self, seq: Sequence, logits: torch.Tensor) -> None:
+        token, lp, top = sample_token(logits, seq.params, seq.generator, seq.top_logprobs_num)
+        seq.output_ids.append(token)
+        seq.output_logprobs.append(lp)
+        if top is not None:
+            seq.output_top.append(top)
+        seq.output_versions.append(self.weight_version)
+        self.stats["generated_tokens"] += 1
+        reason = self._check_finished(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+        elif seq.stream and seq.on_update is not None:
+            seq.on_update(seq)
+
+    def _check_finished(self, seq: Sequence) -> FinishReason | None:
+        p, tok = seq.params, seq.output_ids[-1]
+        if len(seq.output_ids) >= p.max_new_tokens:
+            return FinishReason(type="length", length=p.max_new_tokens)
+        if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+            return FinishReason(type="stop", matched=tok)
+        if p.stop:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s and s in text:
+                    return FinishReason(type="stop", matched=s)
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish = reason
+        seq.finished_at = time.perf_counter()
+        seq.kv = []
+        self.stats["finished"] += 1
+        if seq.on_update is not None:
+            seq.on_update(seq)
+        seq.done.set()
+
+    # ------------------------------------------------------------------ results
+    def result(self, seq: Sequence) -> GenerateOutput:
+        """SGLang-shaped output of ``seq`` so far (cumulative; final once ``seq.finish`` is set)."""
+        p, f = seq.params, seq.finish
+        ids = list(seq.output_ids)
+        text_ids = ids
+        if f is not None and f.type == "stop" and isinstance(f.matched, int) and not p.no_stop_trim:
+            text_ids = ids[:-1]
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
+        if f is not None and isinstance(f.matched, str) and not p.no_stop_trim:
+            cut = text.find(f.matched)
+            text = text[:cut] if cut >= 0 else text
+        meta = MetaInfo(
+            id=seq.rid, finish_reason=f, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(ids),
+            cached_tokens=0, weight_version=self.weight_version,
+            e2e_latency=None if seq.finished_at is None else seq.finished_at - seq.created,  # final only
+            output_token_weight_versions=list(seq.output_versions),
+        )
+        if seq.return_logprob:
+            named = self._with_text if seq.logprob_text else _same
+            meta.output_token_logprobs = named([(lp, t, None) for lp, t in zip(seq.output_logprobs, ids,
+                                                                                strict=False)])
+            if seq.top_logprobs_num:
+                meta.output_top_logprobs = [named(top) for top in seq.output_top]
+            if seq.logprob_start_len >= 0:
+                meta.input_token_logprobs = named(seq.input_logprobs or [])
+                meta.input_top_logprobs = (None if seq.input_top is None else
+                                           [None if t is None else named(t) for t in seq.input_top])
+        return GenerateOutput(text=text, output_ids=ids, meta_info=meta)
+
+    def _with_text(self, entries: list[LogprobEntry]) -> list[LogprobEntry]:
+        """SGLang's ``return_text_in_logprobs``: the third element is the token's text."""
+        texts = self.tokenizer.convert_ids_to_tokens([t for _, t, _ in entries])
+        return [(lp, t, self.tokenizer.convert_tokens_to_string([s])) for (lp, t, _), s in
+                zip(entries, texts, strict=True)]
+
+
+def _ensure_room(seq: Sequence) -> None:
+    """Grow a sequence's K/V buffers (doubling, capped at what it reserved) before writing one more token."""
+    cap = seq.kv[0][0].shape[1]
+    if seq.kv_len < cap:
+        return
+    new_cap = min(max(2 * cap, cap + 1), seq.reserved_tokens)
+    grown = []
+    for k, v in seq.kv:
+        kb, vb = k.new_empty((k.shape[0], new_cap, k.shape[2])), v.new_empty((v.shape[0], new_cap, v.shape[2]))
+        kb[:, :cap], vb[:, :cap] = k, v
+        grown.append((kb, vb))
+    seq.kv = grown
+
+
+def _same(entries: list[LogprobEntry]) -> list[LogprobEntry]:
+    return entries
+
+
+def _logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The log-prob rule of the module docstring, for a [..., vocab] float tensor."""
+    if params.temperature == 0.0:
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits / params.temperature, dim=-1)
+
+
+def _top(lp: torch.Tensor, k: int) -> list[LogprobEntry]:
+    vals, idx = torch.topk(lp, k)
+    return [(v, i, None) for v, i in zip(vals.tolist(), idx.tolist(), strict=True)]
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 top_logprobs_num: int = 0) -> tuple[int, float, list[LogprobEntry] | None]:
+    """Draw one token from a [vocab] logits row; returns (token, its log-prob, top log-probs)."""
+    lp = _logprobs(logits, params)
+    if params.greedy:
+        token = int(torch.argmax(logits))
+    else:
+        probs = filtered_probs(lp.exp(), params)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    top = _top(lp, top_logprobs_num) if top_logprobs_num else None
+    return token, float(lp[token]), top
+
+
+def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply top-k, top-p and min-p to a probability row (unnormalised result; multinomial rescales)."""
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.top_k > 0 and params.top_k < probs.numel():
+        kth = torch.topk(probs, params.top_k).values[-1]
+        keep &= probs >= kth
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
+        drop_sorted = before > params.top_p
+        drop = torch.zeros_like(keep)
+        drop[order] = drop_sorted
+        keep &= ~drop
+    if params.min_p > 0.0:
+        keep &= probs >= params.min_p * probs.max()
+    return torch.where(keep, probs, torch.zeros_like(probs))
+

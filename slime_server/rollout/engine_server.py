@@ -1,0 +1,348 @@
+"""HTTP front of the CPU engine, speaking SGLang's native protocol (so sgl-router, the gateway and the
+trainer cannot tell it from a real SGLang server).
+
+    python -m slime_server.rollout.engine_server --model-path PATH --host 127.0.0.1 --port 30000
+
+Handlers only parse, validate and enqueue; the engine's scheduler thread does all model work and hands
+results back through ``loop.call_soon_threadsafe``. Bad input is a 400 with SGLang's error body
+(``{"error": {"message": ...}}``, plus OpenAI-style ``object``/``type``/``code``), never a 500.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig, Sequence
+from slime_server.rollout.protocol import (
+    AbortReq,
+    ErrorBody,
+    GenerateOutput,
+    GenerateReqInput,
+    PauseGenerationReq,
+    SamplingParams,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsResult,
+)
+from slime_server.weights import META_HEADER, BucketMeta, BucketUpdateReq, from_bytes, read_shm
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+SERVER_VERSION = "slime-server-cpu-engine/0.1"
+DISCONNECT_POLL_S = 1.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def error_response(message: str, status: int = 400) -> JSONResponse:
+    body = ErrorBody(error=ErrorBody.Detail(message=message, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _validation_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
+    """Read and validate a JSON body; every failure becomes a BadRequest (400)."""
+    raw = await request.body()
+    if not raw.strip():
+        if allow_empty:
+            return model.model_validate({})
+        raise BadRequest("request body must be a JSON object")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise BadRequest(_validation_message(e)) from None
+
+
+def _per_item(value: Any, n: int, name: str) -> list[Any]:
+    """SGLang lets per-request fields be a scalar (shared) or a list with one entry per prompt."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+class GenerateHandler:
+    """Turns one ``/generate`` body into engine sequences and their SGLang-shaped results."""
+
+    def __init__(self, engine: CPUEngine) -> None:
+        self.engine = engine
+
+    def build(self, req: GenerateReqInput) -> list[Sequence]:
+        batch = req.is_batch
+        if req.input_ids is not None:
+            prompts: list[list[int]] = req.input_ids if batch else [req.input_ids]  # type: ignore[list-item]
+        else:
+            texts = req.text if isinstance(req.text, list) else [req.text]
+            prompts = [self.engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        if not prompts:
+            raise BadRequest("input_ids must not be empty")
+        n = len(prompts)
+        params: list[SamplingParams] = _per_item(req.sampling_params, n, "sampling_params")
+        rids = _per_item(req.rid, n, "rid")
+        want_lp = _per_item(req.return_logprob, n, "return_logprob")
+        tops = _per_item(req.top_logprobs_num, n, "top_logprobs_num")
+        starts = _per_item(req.logprob_start_len, n, "logprob_start_len")
+        if batch and req.rid is not None and not isinstance(req.rid, list):
+            rids = [f"{req.rid}-{i}" for i in range(n)]
+        seqs: list[Sequence] = []
+        for i, prompt in enumerate(prompts):
+            self.engine.validate(prompt, params[i], tops[i], starts[i])
+            seqs += self.engine.new_sequences(prompt, params[i], rid=rids[i], return_logprob=bool(want_lp[i]),
+                                              top_logprobs_num=int(tops[i]), logprob_start_len=int(starts[i]),
+                                              stream=req.stream, logprob_text=req.return_text_in_logprobs)
+        return seqs
+
+    async def run(self, req: GenerateReqInput, request: Request) -> Response:
+        seqs = self.build(req)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, GenerateOutput | None]] = asyncio.Queue()
+        many = req.is_batch or len(seqs) > 1
+
+        def hook(i: int):
+            def on_update(seq: Sequence) -> None:  # scheduler thread: snapshot now, deliver on the loop
+                snap = self.engine.result(seq) if seq.stream or seq.finish is not None else None
+                loop.call_soon_threadsafe(queue.put_nowait, (i, snap))
+            return on_update
+
+        for i, s in enumerate(seqs):
+            s.on_update = hook(i)
+            self.engine.submit(s)
+        if req.stream:
+            return StreamingResponse(self._stream(seqs, queue, many), media_type="text/event-stream")
+        results: list[GenerateOutput | None] = [None] * len(seqs)
+        try:
+            while any(r is None for r in results):
+                try:
+                    i, snap = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():  # SGLang aborts requests whose client left
+                        break
+                    continue
+                if snap is not None and snap.meta_info.finish_reason is not None:
+                    results[i] = snap
+            else:
+                outs = [r.wire() for r in results if r is not None]
+                return JSONResponse(outs if many else outs[0])
+        finally:
+            self.engine.cancel(seqs)  # no-op when all finished; else the client left: free the engine
+        return Response(status_code=499)  # client closed the request; nobody reads this
+
+    async def _stream(self, seqs: list[Sequence], queue: asyncio.Queue, many: bool) -> AsyncIterator[bytes]:
+        pending = set(range(len(seqs)))
+        try:
+            while pending:
+                i, snap = await queue.get()
+                if snap is None:
+                    continue
+                if many:
+                    snap.index = i
+                yield b"data: " + json.dumps(snap.wire()).encode() + b"\n\n"
+                if snap.meta_info.finish_reason is not None:  # the snapshot, not the live seq: no race
+                    pending.discard(i)
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.engine.cancel(seqs)
+
+
+def create_app(engine: CPUEngine, served_model_name: str | None = None) -> FastAPI:
+    """The FastAPI app around ``engine`` (the caller owns the engine's lifetime)."""
+    app = FastAPI(title="slime-server CPU engine (SGLang protocol)")
+    handler = GenerateHandler(engine)
+    counters = {"generate": 0}
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, e: BadRequest) -> JSONResponse:
+        return error_response(str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(str(e))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if engine.paused:
+            return Response(status_code=200)
+        probe = SamplingParams(max_new_tokens=1, temperature=0.0)
+        try:
+            await asyncio.to_thread(engine.generate, [0], probe, HEALTH_GENERATE_TIMEOUT_S,
+                                    rid=f"health-{time.monotonic_ns()}")
+        except TimeoutError:
+            return error_response("the engine did not generate a token in time", status=503)
+        return Response(status_code=200)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        counters["generate"] += 1
+        req = await parse_body(request, GenerateReqInput)
+        return await handler.run(req, request)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")  # newer SGLang name; sgl-router asks for it first
+    async def get_model_info() -> dict[str, Any]:
+        return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.model_path,
+                "served_model_name": served_model_name or engine.config.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": engine.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False}
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return {**engine.config.model_dump(), "tp_size": 1, "dp_size": 1, "context_length": engine.context_length,
+                "max_total_num_tokens": engine.max_total_tokens, "vocab_size": engine.vocab_size,
+                "weight_version": engine.weight_version, "version": SERVER_VERSION,
+                "num_generate_requests": counters["generate"],
+                "internal_states": [{**engine.stats, **engine.load(), "paused": engine.paused}]}
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        load = engine.load()
+        return [{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                 "num_waiting_reqs": load["num_waiting_reqs"]}]
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return PlainTextResponse("Cache flushed (the CPU engine keeps no prefix cache).\n")
+
+    @app.api_route("/get_weight_version", methods=["GET", "POST"])
+    async def get_weight_version() -> dict[str, str]:
+        return {"weight_version": engine.weight_version}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        req = await parse_body(request, AbortReq)
+        if not req.rid and not req.abort_all:
+            raise BadRequest("give 'rid' or 'abort_all': true")
+        engine.abort(req.rid, req.abort_all)
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict[str, str]:
+        req = await parse_body(request, PauseGenerationReq, allow_empty=True)
+        engine.pause(abort_running=req.mode == "abort")
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> dict[str, str]:
+        engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        req = await parse_body(request, UpdateWeightsFromDiskReq)
+        if req.abort_all_requests:
+            engine.abort(abort_all=True)
+        try:
+            n = await asyncio.to_thread(engine.load_weights_from_disk, req.model_path, req.weight_version)
+        except (BadRequest, OSError, ValueError) as e:
+            engine.discard_staged()
+            res = UpdateWeightsResult(success=False, message=f"failed to load {req.model_path!r}: {e}")
+            return JSONResponse(res.model_dump(), status_code=400)
+        res = UpdateWeightsResult(success=True, message=f"Succeeded to update model weights ({n} tensors).",
+                                  weight_version=engine.weight_version)
+        return JSONResponse(res.model_dump())
+
+    @app.post("/update_weights_from_bucket")
+    async def update_weights_from_bucket(request: Request) -> JSONResponse:
+        ctype = request.headers.get("content-type", "")
+        try:
+            if ctype.startswith("application/octet-stream"):
+                meta_raw = request.headers.get(META_HEADER)
+                if not meta_raw:
+                    raise BadRequest(f"octet-stream bucket needs its metadata in the {META_HEADER} header")
+                try:
+                    meta = BucketMeta.model_validate_json(meta_raw)
+                except ValidationError as e:
+                    raise BadRequest(f"{META_HEADER}: {_validation_message(e)}") from None
+                version = request.headers.get("X-Weight-Version") or None
+                last = request.headers.get("X-Last", "0").lower() in ("1", "true", "yes")
+                bucket = from_bytes(await request.body(), meta)
+            else:
+                req = await parse_body(request, BucketUpdateReq)
+                version, last = req.weight_version, req.last
+                try:
+                    bucket = read_shm(req.path, req.meta)
+                except OSError as e:
+                    raise BadRequest(f"cannot open bucket file {req.path!r}: {e.strerror}") from None
+            staged = engine.stage_bucket(bucket)
+        except (BadRequest, ValueError) as e:
+            engine.discard_staged()
+            res = UpdateWeightsResult(success=False, message=f"{e} (staged buckets discarded)")
+            return JSONResponse(res.model_dump(), status_code=400)
+        if not last:
+            res = UpdateWeightsResult(success=True, message=f"staged {staged} tensors",
+                                      weight_version=engine.weight_version)
+            return JSONResponse(res.model_dump())
+        n = await asyncio.to_thread(engine.commit_weights, version)
+        res = UpdateWeightsResult(success=True, message=f"Succeeded to update model weights ({n} tensors).",
+                                  weight_version=engine.weight_version)
+        return JSONResponse(res.model_dump())
+
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="CPU inference engine speaking SGLang's HTTP protocol")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--max-running-requests", type=int, default=32)
+    ap.add_argument("--max-total-tokens", type=int, default=None)
+    ap.add_argument("--context-length", type=int, default=None)
+    ap.add_argument("--weight-version", default="0")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-threads", type=int, default=1)
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--log-level", default="warning")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    config = EngineConfig(model_path=args.model_path, max_running_requests=args.max_running_requests,
+                          max_total_tokens=args.max_total_tokens, context_length=args.context_length,
+                          weight_version=args.weight_version, seed=args.seed, num_threads=args.num_threads)
+    engine = CPUEngine(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.shutdown()
+
+    app = create_app(engine, args.served_model_name)
+    app.router.lifespan_context = lifespan
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Helpers for the engine tests: start a real engine server process, and HF reference computations."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from slime_server.utils.net import find_free_port, wait_http_ok
+from slime_server.utils.procs import kill_group, python_module_cmd, spawn
+
+
+@contextlib.contextmanager
+def engine_process(model_path: Path, log_dir: Path, *extra: str) -> Iterator[str]:
+    """``python -m slime_server.rollout.engine_server`` on a free port; yields its URL."""
+    port = find_free_port()
+    cmd = python_module_cmd("slime_server.rollout.engine_server", "--model-path", str(model_path),
+                            "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1", *extra)
+    proc = spawn(cmd, env={"OMP_NUM_THREADS": "1"}, log_path=str(log_dir / f"engine-{port}.log"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{url}/health", timeout=120, proc=proc)
+        yield url
+    finally:
+        kill_group(proc)
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> list[float]:
+    """Log-probs of ``output`` after ``prompt`` by one full forward (the engine's temperature rule)."""
+    ids = torch.tensor([prompt + output])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    lp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return lp.gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,98 @@
+"""`slime-server engines` as a real subprocess: serves through the router, exits 0 on SIGTERM / Ctrl-C,
+and leaves no engine, router or Ray process behind."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from _rollout_helpers import generate_body, pid_alive, proc_tree
+
+pytestmark = pytest.mark.timeout(300)
+
+CLI = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "slime-server"
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue[str]:
+    q: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            q.put(line.rstrip("\n"))
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _wait_for(q: queue.Queue[str], prefix: str, timeout: float, proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=1)
+        except queue.Empty:
+            assert proc.poll() is None, f"CLI exited early with {proc.returncode}"
+            continue
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
+    raise TimeoutError(f"no {prefix!r} line within {timeout}s")
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl_c"])
+def test_engines_command_serves_then_exits_clean(how: str, tiny_model_path: Path, tmp_path: Path) -> None:
+    pytest.importorskip("slime_server.rollout.engine_server", reason="the CPU engine is not in this tree yet")
+    assert tiny_model_path.exists()  # builds the cached tiny model the CLI's "--model tiny" resolves to
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [str(CLI), "engines", "--model", "tiny", "--num-engines", "2", "--ray-num-cpus", "2",
+         "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    tree: dict[int, str] = {}
+    try:
+        lines = _lines(proc)
+        router_url = _wait_for(lines, "router_url:", 180, proc)
+        engine_urls = [_wait_for(lines, "engine_url:", 10, proc) for _ in range(2)]
+        assert len(set(engine_urls)) == 2 and router_url not in engine_urls
+
+        r = httpx.post(f"{router_url}/generate", json=generate_body(), timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["output_ids"]) == 4
+
+        tree = proc_tree(proc.pid)
+        cmdlines = " ".join(Path(f"/proc/{p}/cmdline").read_text() for p in tree if pid_alive(p))
+        assert ("sglang::router" in cmdlines or "sglang_router" in cmdlines) and cmdlines.count("slime_server.rollout.engine_server") == 2
+        assert "raylet" in cmdlines
+
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:  # a terminal's Ctrl-C reaches the whole foreground process group
+            os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+        time.sleep(0.2)  # let the reader thread drain the pipe
+        rest = []
+        while not lines.empty():
+            rest.append(lines.get())
+        assert "stopped" in rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(pid_alive(p, st) for p, st in tree.items()):
+        time.sleep(0.2)
+    assert [p for p, st in tree.items() if pid_alive(p, st)] == []
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{router_url}/health", timeout=2)
+
+
+def test_unknown_flag_is_a_usage_error() -> None:
+    r = subprocess.run([str(CLI), "engines", "--no-such-flag"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--no-such-flag" in r.stderr

@@ -1,0 +1,116 @@
+"""Settings precedence (flags > env > YAML > defaults) and pass-through flag collection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from slime_server.cli import build_parser, settings_from_args
+from slime_server.config import ConfigError, ServerSettings, load_settings, split_passthrough
+
+
+def _settings(argv: list[str]) -> ServerSettings:
+    parser, _ = build_parser()
+    rest, passthrough = split_passthrough(argv)
+    return settings_from_args(parser.parse_args(rest), passthrough)
+
+
+@pytest.fixture
+def yaml_file(tmp_path: Path) -> Path:
+    p = tmp_path / "cfg.yaml"
+    p.write_text(
+        "engine:\n  model: /models/from-yaml\n  num_engines: 3\n  max_running_requests: 7\n"
+        "  sglang_args:\n    tp_size: 2\n    mem_fraction_static: 0.5\n"
+        "router:\n  policy: random\n  port: 1111\n"
+    )
+    return p
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("SLIME_"):
+            monkeypatch.delenv(k)
+
+
+def test_defaults() -> None:
+    s = _settings(["engines"])
+    assert s == ServerSettings()
+    assert (s.engine.model, s.engine.num_engines, s.engine.kind) == ("tiny", 1, "cpu")
+    assert s.router.policy == "round_robin" and s.ray.address is None and s.engine.sglang_args == {}
+
+
+def test_yaml_over_defaults(yaml_file: Path) -> None:
+    s = _settings(["engines", "--config", str(yaml_file)])
+    assert s.engine.model == "/models/from-yaml"
+    assert s.engine.num_engines == 3
+    assert s.router.policy == "random"
+    assert s.engine.kind == "cpu"  # untouched default survives the partial YAML section
+
+
+def test_env_over_yaml(yaml_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLIME_ENGINE__NUM_ENGINES", "5")
+    monkeypatch.setenv("SLIME_ROUTER__POLICY", "cache_aware")
+    s = _settings(["engines", "--config", str(yaml_file)])
+    assert (s.engine.num_engines, s.router.policy) == (5, "cache_aware")
+    assert s.engine.max_running_requests == 7  # from YAML, env did not set it
+    assert s.router.port == 1111
+
+
+def test_flags_over_env_and_yaml(yaml_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLIME_ENGINE__NUM_ENGINES", "5")
+    monkeypatch.setenv("SLIME_ENGINE__MODEL", "/models/from-env")
+    s = _settings(["engines", "--config", str(yaml_file), "--num-engines", "2", "--router-policy", "power_of_two"])
+    assert s.engine.num_engines == 2
+    assert s.router.policy == "power_of_two"
+    assert s.engine.model == "/models/from-env"  # no --model flag: env wins over YAML
+
+
+def test_sglang_passthrough_lands_in_sglang_args(yaml_file: Path) -> None:
+    s = _settings(["engines", "--config", str(yaml_file), "--sglang-mem-fraction-static", "0.7",
+                   "--sglang-enable-torch-compile", "--model", "m", "--sglang-chunked-prefill-size=512"])
+    assert s.engine.sglang_args == {
+        "tp_size": 2,  # from YAML, merged, not replaced
+        "mem_fraction_static": "0.7",  # the flag beats YAML's 0.5
+        "enable_torch_compile": True,
+        "chunked_prefill_size": "512",
+    }
+    assert s.engine.model == "m"
+
+
+def test_split_passthrough_repeated_flag_collects_list() -> None:
+    rest, found = split_passthrough(["a", "--sglang-x", "1", "--sglang-x", "2", "--router-extra-queue-size", "8"])
+    assert rest == ["a"]
+    assert found == {"engine": {"sglang_args": {"x": ["1", "2"]}}, "router": {"extra_args": {"queue_size": "8"}}}
+
+
+def test_bad_values_are_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValidationError):
+        _settings(["engines", "--router-policy", "nonsense"])
+    with pytest.raises(ValidationError):
+        _settings(["engines", "--num-engines", "-1"])
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("engine:\n  num_engine: 2\n")
+    with pytest.raises(ValidationError):
+        load_settings(bad)
+    with pytest.raises(ConfigError):
+        load_settings(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError):
+        load_settings(tmp_path / "list.yaml")
+    monkeypatch.setenv("SLIME_ENGINE__NUM_ENGINES", "many")
+    with pytest.raises(ValidationError):
+        load_settings()
+
+
+def test_cli_reports_bad_settings_as_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from slime_server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["engines", "--router-policy", "nonsense"])
+    assert e.value.code == 2
+    assert "router.policy" in capsys.readouterr().err

@@ -1,0 +1,128 @@
+"""The engine in process: sampling filters, stop handling, seeds under batching, pause/continue, and the
+Python staging API for weight updates."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from _engine_helpers import hf_greedy, hf_model
+
+from slime_server import weights
+from slime_server.rollout.cpu_engine import (
+    KV_INITIAL_HEADROOM,
+    BadRequest,
+    CPUEngine,
+    EngineConfig,
+    filtered_probs,
+    sample_token,
+)
+from slime_server.rollout.protocol import SamplingParams
+
+PROMPT = [31, 32, 33, 34]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    eng = CPUEngine(EngineConfig(model_path=str(tiny_model_path), max_running_requests=8, num_threads=1))
+    yield eng
+    eng.shutdown()
+
+
+def test_filters_only_restrict_sampling() -> None:
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    kept = lambda **kw: (filtered_probs(probs, SamplingParams(**kw)) > 0).nonzero()[:, 0].tolist()  # noqa: E731
+    assert kept(top_k=2) == [0, 1]
+    assert kept(top_p=0.6) == [0, 1]  # mass above token 1 is 0.5 <= 0.6; above token 2 is 0.7
+    assert kept(top_p=0.5) == [0, 1]  # SGLang keeps a token while the mass above it is <= top_p
+    assert kept(top_p=0.4) == [0]
+    assert kept(min_p=0.3) == [0, 1, 2]  # >= 0.3 * 0.5
+    assert kept() == [0, 1, 2, 3, 4]
+    logits = torch.log(probs)
+    g = torch.Generator().manual_seed(0)
+    tok, lp, _ = sample_token(logits, SamplingParams(temperature=0.5, top_k=1), g)
+    # top_k 1 picks the argmax, but a positive temperature still scales its log-prob
+    assert tok == 0 and abs(lp - float(torch.log_softmax(logits / 0.5, -1)[0])) < 1e-6
+    tok, lp, _ = sample_token(logits, SamplingParams(temperature=0.0), g)
+    assert tok == 0 and abs(lp - float(torch.log_softmax(logits, -1)[0])) < 1e-6
+    for _ in range(20):
+        tok, lp, _ = sample_token(logits, SamplingParams(temperature=0.5, top_p=0.6), g)
+        assert tok in (0, 1)
+        assert abs(lp - float(torch.log_softmax(logits / 0.5, -1)[tok])) < 1e-6  # pre-filter log-prob
+
+
+def test_greedy_in_process_matches_hf_across_kv_growth(engine, tiny_model_path) -> None:
+    n = KV_INITIAL_HEADROOM + 20  # the K/V buffers grow once mid-generation
+    (out,) = engine.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))
+    assert out.output_ids == hf_greedy(hf_model(tiny_model_path), PROMPT, n)
+
+
+def test_stop_strings_trim_text_but_keep_tokens(engine) -> None:
+    sp = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    (free,) = engine.generate(PROMPT, sp)
+    text = free.text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop
+    (cut,) = engine.generate(PROMPT, sp.model_copy(update={"stop": [stop]}))
+    assert cut.meta_info.finish_reason.type == "stop" and cut.meta_info.finish_reason.matched == stop
+    assert cut.text == text[: text.index(stop)]
+    assert free.output_ids[: len(cut.output_ids)] == cut.output_ids
+    (kept,) = engine.generate(PROMPT, sp.model_copy(update={"stop": [stop], "no_stop_trim": True}))
+    assert stop in kept.text and kept.output_ids == cut.output_ids
+
+
+def test_max_new_tokens_zero_and_eos(engine) -> None:
+    (zero,) = engine.generate(PROMPT, SamplingParams(max_new_tokens=0))
+    assert zero.output_ids == [] and zero.meta_info.finish_reason.type == "length"
+    eos = sorted(engine.eos_ids)[0]
+    (stops,) = engine.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=[eos]))
+    assert stops.meta_info.completion_tokens <= 8
+    with pytest.raises(BadRequest, match="context length"):
+        engine.generate(PROMPT, SamplingParams(max_new_tokens=engine.context_length))
+    rest = engine.resolve(PROMPT, SamplingParams(max_new_tokens=None))  # null: the rest of the context
+    assert rest.max_new_tokens == engine.context_length - len(PROMPT)
+
+
+def test_seeded_samples_do_not_depend_on_batch_company(engine) -> None:
+    sp = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=99)
+    (alone,) = engine.generate(PROMPT, sp)
+    others = [s for i in range(5) for s in engine.new_sequences([40 + i, 41], sp.model_copy(update={"seed": i}))]
+    target = engine.new_sequences(PROMPT, sp)[0]
+    for s in [*others[:3], target, *others[3:]]:
+        engine.submit(s)
+    assert target.done.wait(60)
+    assert engine.result(target).output_ids == alone.output_ids
+    for s in others:
+        assert s.done.wait(60)
+
+
+def test_pause_in_place_holds_requests_until_continue(engine) -> None:
+    engine.pause(abort_running=False)
+    try:
+        seq = engine.submit(engine.new_sequences(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))[0])
+        time.sleep(0.3)
+        assert not seq.done.is_set() and seq.output_ids == []
+    finally:
+        engine.resume()
+    assert seq.done.wait(30) and len(seq.output_ids) == 4
+
+
+def test_python_staging_api_commits_atomically(engine, tiny_model_path) -> None:
+    ref = hf_model(tiny_model_path)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(-1.0)
+    sp = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    before = engine.generate(PROMPT, sp)[0].output_ids
+    buckets = list(weights.pack_buckets(ref.state_dict().items(), max_bytes=1 << 20, shm_dir=None))
+    for b in buckets:
+        engine.stage_bucket(b)
+    assert engine.generate(PROMPT, sp)[0].output_ids == before, "staged weights are not live yet"
+    done = threading.Event()
+    threading.Thread(target=lambda: (engine.generate(PROMPT, sp), done.set()), daemon=True).start()
+    assert engine.commit_weights("neg") == len(engine._params)
+    assert engine.weight_version == "neg"
+    assert engine.generate(PROMPT, sp)[0].output_ids == hf_greedy(ref, PROMPT, 10)
+    assert done.wait(30)

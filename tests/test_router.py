@@ -1,0 +1,140 @@
+"""The real sgl-router in front of real CPU engine processes: routing, worker add/remove at run time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from _rollout_helpers import generate_body, pid_alive, served_generate_count
+
+from slime_server.config import RouterSettings
+from slime_server.rollout.actors import EngineActor, EngineSpec
+from slime_server.rollout.router import RouterError, RouterProcess, build_router_cmd
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineActor]]:
+    pytest.importorskip("slime_server.rollout.engine_server", reason="the CPU engine is not in this tree yet")
+    logs = tmp_path_factory.mktemp("engines")
+    actors = [EngineActor(EngineSpec(model_path=str(tiny_model_path), log_path=str(logs / f"e{i}.log"),
+                                     startup_timeout_s=120), start=False, monitor=False) for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:  # engines load in parallel
+        list(pool.map(EngineActor.start, actors))
+    yield actors
+    for a in actors:
+        a.stop()
+
+
+@pytest.fixture(scope="module")
+def router(engines: list[EngineActor], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    with RouterProcess(RouterSettings(policy="round_robin"), log_path=log) as r:
+        r.start(worker_urls=[engines[0].url(), engines[1].url()])
+        deadline = time.monotonic() + 60
+        while len(r.worker_urls(healthy_only=True)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield r
+
+
+def _generate(router_url: str, n: int) -> list[dict]:
+    out = []
+    with httpx.Client(timeout=60) as c:
+        for i in range(n):
+            r = c.post(f"{router_url}/generate", json=generate_body(seed=i))
+            assert r.status_code == 200, r.text
+            out.append(r.json())
+    return out
+
+
+def test_build_router_cmd_sets_ports_policy_and_extra_args() -> None:
+    s = RouterSettings(policy="cache_aware", host="127.0.0.1", extra_args={"queue_size": 8, "disable_retries": True,
+                                                                          "cors_allowed_origins": ["a", "b"]})
+    cmd = build_router_cmd(s, port=1234, prometheus_port=1235, worker_urls=["http://127.0.0.1:1"])
+    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    pairs = dict(zip(cmd[3::1], cmd[4::1], strict=False))
+    assert pairs["--port"] == "1234" and pairs["--prometheus-port"] == "1235" and pairs["--policy"] == "cache_aware"
+    assert cmd[cmd.index("--worker-urls") + 1] == "http://127.0.0.1:1"
+    assert cmd[-6:] == ["--queue-size", "8", "--disable-retries", "--cors-allowed-origins", "a", "b"]
+
+
+def test_generate_through_router_reaches_both_engines(router: RouterProcess, engines: list[EngineActor]) -> None:
+    before = [served_generate_count(e) for e in engines[:2]]
+    results = _generate(router.url, 6)
+    for res in results:
+        assert len(res["output_ids"]) == 4
+        lps = res["meta_info"]["output_token_logprobs"]
+        assert [t[1] for t in lps] == res["output_ids"]
+        assert all(isinstance(t[0], float) and t[0] <= 0.0 for t in lps)
+    after = [served_generate_count(e) for e in engines[:2]]
+    served = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(served) == 6
+    assert served == [3, 3]  # round_robin, counted by the engines themselves
+
+
+def test_add_and_remove_worker_at_run_time(router: RouterProcess, engines: list[EngineActor]) -> None:
+    third = engines[2]
+    router.add_worker(third.url())
+    assert third.url() in router.worker_urls(healthy_only=True)
+    before = served_generate_count(third)
+    _generate(router.url, 6)
+    assert served_generate_count(third) - before == 2  # one in three under round_robin
+
+    router.remove_worker(third.url())
+    assert third.url() not in router.worker_urls()
+    before = [served_generate_count(e) for e in engines]
+    _generate(router.url, 4)
+    after = [served_generate_count(e) for e in engines]
+    assert after[2] == before[2]  # removed: no more traffic
+    assert after[0] - before[0] + after[1] - before[1] == 4
+
+
+def test_bad_worker_urls(tmp_path: Path) -> None:
+    with RouterProcess(RouterSettings(), log_path=tmp_path / "r.log") as router:
+        router.start()
+        _check_bad_worker_urls(router)
+
+
+def _check_bad_worker_urls(router: RouterProcess) -> None:
+    with pytest.raises(ValueError):
+        router.add_worker("not a url")
+    with pytest.raises(RouterError):
+        router.add_worker("http://127.0.0.1:9", timeout=2)  # nothing listens on the discard port
+    assert "http://127.0.0.1:9" not in router.worker_urls(healthy_only=True)
+    router.remove_worker("http://127.0.0.1:1")  # unknown: no-op
+
+
+def test_router_process_stops_cleanly(tmp_path: Path) -> None:
+    r = RouterProcess(RouterSettings(), log_path=tmp_path / "r.log").start()
+    pid = r.pid
+    assert pid is not None and Path(f"/proc/{pid}").exists()
+    r.close()
+    assert not r.is_alive()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{r.url}/health", timeout=2)
+
+
+def test_router_dies_with_its_owner(tmp_path: Path) -> None:
+    """SIGKILL the owning process (no cleanup runs): the kernel must take the router down too."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys; from slime_server.rollout.router import RouterProcess\n"
+            f"r = RouterProcess(log_path={str(tmp_path / 'r.log')!r}).start()\n"
+            "print(r.pid, r.url, flush=True); sys.stdin.readline()\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    pid_s, url = owner.stdout.readline().split()
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and pid_alive(int(pid_s)):
+        time.sleep(0.1)
+    assert not pid_alive(int(pid_s))
