@@ -1,0 +1,93 @@
+"""``create_app(...)``: the OpenAI-compatible gateway as a FastAPI application.
+
+Why a factory taking ready-made parts (renderer, session manager, store, router URL): tests and
+``slime-server serve`` wire the same app, and each part is owned and tested by its own module.
+The app itself only translates between the OpenAI protocol and SGLang's token-level protocol and
+records every call through the session manager before answering (ARCHITECTURE decisions 2, 3, 6).
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from slime_server.api.auth import Principal, authenticate, bearer_token
+from slime_server.api.engine_client import EngineClient
+from slime_server.api.errors import BodySizeLimitMiddleware, install_error_handlers
+from slime_server.api.reasoning import ReasoningParser, get_reasoning_parser
+from slime_server.api.tool_parsers import ToolCallParser, get_tool_parser
+from slime_server.config import GatewaySettings
+
+
+@dataclass
+class Gateway:
+    """Everything a request handler needs; stored on ``app.state.gw``."""
+
+    settings: GatewaySettings
+    model_name: str
+    engine: EngineClient
+    renderer: Any  # slime_server.api.chat_template.ChatRenderer
+    sessions: Any  # slime_server.sessions.SessionManager
+    store: Any  # slime_server.buffer.store.TrajectoryStore
+    tool_parser: ToolCallParser = field(init=False)
+    reasoning: ReasoningParser | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tool_parser = get_tool_parser(self.settings.tool_parser)
+        name = self.settings.reasoning_parser
+        self.reasoning = get_reasoning_parser(name) if name else None
+
+    def key_hash(self, session_id: str) -> str | None:
+        session = self.store.get_session(session_id)
+        return getattr(session, "key_hash", None) if session is not None else None
+
+
+def get_gateway(request: Request) -> Gateway:
+    return request.app.state.gw
+
+
+def get_principal(request: Request) -> Principal:
+    gw = get_gateway(request)
+    return authenticate(bearer_token(request), gw.settings.api_key, _safe_key_hash(gw))
+
+
+def _safe_key_hash(gw: Gateway):
+    def lookup(session_id: str) -> str | None:
+        try:
+            return gw.key_hash(session_id)
+        except LookupError:
+            return None
+    return lookup
+
+
+def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
+               settings: GatewaySettings | None = None, model_name: str | None = None) -> FastAPI:
+    """Build the gateway app over a router (or a single engine) speaking SGLang's ``/generate``."""
+    from slime_server.api import routes_openai, routes_sessions
+
+    settings = settings or GatewaySettings()
+    name = model_name or settings.served_model_name or "default"
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await app.state.gw.engine.aclose()
+
+    app = FastAPI(title="slime-server gateway", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API over sgl-router; every call is recorded token-exactly.")
+    app.state.gw = Gateway(settings=settings, model_name=name,
+                           engine=EngineClient(router_url, timeout=settings.engine_timeout_s),
+                           renderer=renderer, sessions=sessions, store=store)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_sessions.router)
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app

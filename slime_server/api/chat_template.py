@@ -1,0 +1,255 @@
+"""Chat rendering with the served model's own HF tokenizer: OpenAI messages -> text -> token ids.
+
+Why: the gateway sends token ids, never text, to the engines (ARCHITECTURE decision 2), so the
+prompt must be rendered exactly as the model was trained to see it, and multi-turn assembly
+(decision 3) needs the ids of *only the new part* of a conversation so that earlier tokens,
+including the model's own sampled ids, are reused verbatim. Normalisation gives one canonical
+message shape that the template and the session matcher both use.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from slime_server.buffer.schema import NormalizedMessage, ToolCallRef
+
+
+class ChatTemplateError(ValueError):
+    """A request the renderer cannot turn into a prompt (the gateway answers 400)."""
+
+    status_code = 400
+    code = "invalid_messages"
+
+
+class PrefixMismatchError(ChatTemplateError):
+    """The full rendering does not extend the prefix rendering, so a suffix cannot be cut safely."""
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _content_text(content: Any, where: str) -> str:
+    """OpenAI ``content``: a string, null, or a list of parts of which only ``text`` parts are supported."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ChatTemplateError(f"{where}.content[{i}]: unsupported content part type {kind!r}")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ChatTemplateError(f"{where}.content[{i}].text must be a string")
+            texts.append(text)
+        return "".join(texts)
+    raise ChatTemplateError(f"{where}.content must be a string, null or a list of parts")
+
+
+def _tool_call(raw: Any, where: str) -> ToolCallRef:
+    if not isinstance(raw, dict):
+        raise ChatTemplateError(f"{where} must be an object")
+    fn = raw.get("function", raw)
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ChatTemplateError(f"{where}.function.name must be a non-empty string")
+    args = fn.get("arguments", "{}")
+    if args is None:
+        args = "{}"
+    if not isinstance(args, str):
+        # A client that sends a parsed object: serialise it the way the template's tojson would.
+        args = json.dumps(args, ensure_ascii=False)
+    call_id = raw.get("id")
+    return ToolCallRef(id=call_id if isinstance(call_id, str) else None, name=fn["name"], arguments=args)
+
+
+def normalize_message(raw: Any, index: int = 0) -> NormalizedMessage:
+    """One OpenAI chat message (dict or pydantic model) -> the canonical shape."""
+    where = f"messages[{index}]"
+    if hasattr(raw, "model_dump"):
+        raw = raw.model_dump(exclude_none=True)
+    if not isinstance(raw, dict):
+        raise ChatTemplateError(f"{where} must be an object")
+    role = raw.get("role")
+    if role not in _ROLES:
+        raise ChatTemplateError(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}")
+    if role == "developer":
+        role = "system"
+    content = _content_text(raw.get("content"), where)
+    msg = NormalizedMessage(role=role, content=content)
+    if role == "assistant":
+        reasoning = raw.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ChatTemplateError(f"{where}.reasoning_content must be a string")
+        msg.reasoning_content = reasoning or None
+        calls = raw.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise ChatTemplateError(f"{where}.tool_calls must be a list")
+        msg.tool_calls = [_tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)]
+    elif role == "tool":
+        call_id = raw.get("tool_call_id")
+        msg.tool_call_id = call_id if isinstance(call_id, str) else None
+    name = raw.get("name")
+    if isinstance(name, str) and role != "assistant":
+        msg.name = name
+    return msg
+
+
+def normalize_messages(messages: list[Any]) -> list[NormalizedMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list")
+    return [normalize_message(m, i) for i, m in enumerate(messages)]
+
+
+def _template_dict(msg: NormalizedMessage) -> dict[str, Any]:
+    """The dict handed to the Jinja template (Qwen/HF conventions for tool calls)."""
+    d: dict[str, Any] = {"role": msg.role, "content": msg.content}
+    if msg.role == "assistant":
+        if msg.reasoning_content:
+            d["reasoning_content"] = msg.reasoning_content
+        if msg.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in msg.tool_calls
+            ]
+    if msg.tool_call_id is not None:
+        d["tool_call_id"] = msg.tool_call_id
+    if msg.name is not None:
+        d["name"] = msg.name
+    return d
+
+
+def _template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ChatTemplateError("tools must be a list of objects")
+    return tools
+
+
+class ChatRenderer:
+    """Renders OpenAI conversations to prompt ids with a model's HF tokenizer and chat template."""
+
+    def __init__(self, tokenizer_path: str | Path, *, context_length: int | None = None) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ChatTemplateError(f"tokenizer at {tokenizer_path} has no chat template")
+        self.context_length = context_length or self._read_context_length(Path(tokenizer_path))
+        specials = [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special]
+        # Longest first so that the regex never matches a special token's prefix.
+        alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
+        self._special_re = re.compile(alternatives)
+        self._special_split_re = re.compile(f"({alternatives})")
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            raise ChatTemplateError("tokenizer has no eos token")
+        self.eos_token_id: int = int(eos)
+        stops = {self.eos_token_id}
+        for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
+                stops.add(tid)
+        self.stop_token_ids: list[int] = sorted(stops)
+
+    def _read_context_length(self, path: Path) -> int:
+        cfg = path / "config.json"
+        if cfg.exists():
+            data = json.loads(cfg.read_text())
+            for key in ("max_position_embeddings", "max_sequence_length", "seq_length"):
+                if isinstance(data.get(key), int):
+                    return int(data[key])
+        limit = getattr(self.tokenizer, "model_max_length", None)
+        return int(limit) if isinstance(limit, int) and limit < 10**9 else 32768
+
+    def normalize(self, messages: list[Any]) -> list[NormalizedMessage]:
+        return normalize_messages(messages)
+
+    def render_text(self, messages: list[Any], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages`` (raw dicts or normalised)."""
+        msgs = [m if isinstance(m, NormalizedMessage) else normalize_message(m, i) for i, m in enumerate(messages)]
+        if not msgs:
+            raise ChatTemplateError("messages must be a non-empty list")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [_template_dict(m) for m in msgs], tools=_template_tools(tools), tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # jinja raise_exception / TemplateError for unsupported conversations
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        if not isinstance(text, str):
+            raise ChatTemplateError("chat template did not return text")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize rendered text; special tokens in it are already literal, so add none."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_ids(self, messages: list[Any], tools: list[dict[str, Any]] | None = None,
+                   add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_text(messages, tools, add_generation_prompt))
+
+    def suffix_text(self, prefix_messages: list[Any], all_messages: list[Any],
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                    *, strict: bool = True) -> str:
+        """Text the full rendering adds after the prefix's rendering, cut right after a special token.
+
+        The prefix rendering (no generation prompt) is cut after its last special token, e.g. the
+        ``<|im_end|>`` that closes its last assistant turn; what follows it there (the template's
+        ``"\n"``) belongs to the suffix. Because special tokens are split off before BPE, the suffix
+        tokenizes the same alone as inside the full text, so ``prefix ids + suffix ids`` is exact.
+
+        ``strict`` requires the full text to start with the prefix text. With ``strict=False`` only
+        the turn skeleton must agree up to the cut (the same special tokens, and between them either
+        the same text or the same first line, i.e. the same role header), so the bodies of earlier
+        turns may differ: templates that drop old ``<think>`` blocks, where the caller keeps its own
+        exact ids for the prefix anyway. Raises ``PrefixMismatchError`` otherwise.
+        """
+        if len(all_messages) < len(prefix_messages):
+            raise PrefixMismatchError("the conversation is shorter than the prefix")
+        prefix_text = self.render_text(prefix_messages, tools, add_generation_prompt=False)
+        full_text = self.render_text(all_messages, tools, add_generation_prompt=add_generation_prompt)
+        pre = list(self._special_re.finditer(prefix_text))
+        if not pre:
+            raise PrefixMismatchError("the prefix rendering contains no special token to cut at")
+        cut_pre = pre[-1].end()
+        if strict:
+            if not full_text.startswith(prefix_text):
+                raise PrefixMismatchError("the full rendering does not start with the prefix rendering")
+            return full_text[cut_pre:]
+        full = list(self._special_re.finditer(full_text))
+        if len(full) < len(pre):
+            raise PrefixMismatchError("the full rendering has fewer turns than the prefix")
+        cut_full = full[len(pre) - 1].end()
+        ours, theirs = self._chunks(prefix_text[:cut_pre]), self._chunks(full_text[:cut_full])
+        for a, b in zip(ours, theirs, strict=True):
+            # Same special tokens, and each turn keeps its header line (its role); only bodies may differ.
+            if a != b and a.split("\n", 1)[0] != b.split("\n", 1)[0]:
+                raise PrefixMismatchError("the full rendering does not share the prefix's turn structure")
+        if not full_text[cut_full:].startswith(prefix_text[cut_pre:]):
+            raise PrefixMismatchError("the full rendering does not continue the prefix's last turn")
+        return full_text[cut_full:]
+
+    def _chunks(self, text: str) -> list[str]:
+        """Special tokens and the text between them, alternating (split keeps the separators)."""
+        return self._special_split_re.split(text)
+
+    def encode_suffix(self, prefix_messages: list[Any], all_messages: list[Any],
+                      tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                      *, strict: bool = True) -> list[int]:
+        """Ids of :meth:`suffix_text`: what to append after the exact ids of the prefix."""
+        return self.encode(self.suffix_text(prefix_messages, all_messages, tools, add_generation_prompt,
+                                            strict=strict))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,100 @@
+"""Async client for SGLang's native ``POST /generate`` (through the sgl-router or one engine).
+
+Why a thin client of our own: the gateway sends token ids and needs the exact output ids, logprobs
+and weight versions back (ARCHITECTURE decision 2); the OpenAI-compatible endpoints of SGLang
+would retokenize. One pooled ``httpx.AsyncClient`` keeps connections to the router alive, which is
+most of the gateway's overhead budget. Streaming yields one ``GenerateOutput`` per SSE event with
+SGLang's default semantics: ``text``/``output_ids``/logprobs are cumulative for each ``index``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from slime_server.api.errors import APIError
+from slime_server.rollout.protocol import GenerateOutput
+
+
+class EngineError(APIError):
+    """The router/engine failed or answered something we cannot use (-> 502/503 to the client)."""
+
+
+class EngineClient:
+    def __init__(self, base_url: str, *, timeout: float = 600.0, max_connections: int = 256) -> None:
+        self.base_url = base_url.rstrip("/")
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0),
+                                       limits=limits)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @staticmethod
+    def build_request(input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
+                      top_logprobs_num: int = 0, rid: str | None = None, stream: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
+                                "return_logprob": return_logprob, "stream": stream}
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
+        if rid is not None:
+            body["rid"] = rid
+        return body
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], **kw: Any) -> list[GenerateOutput]:
+        """One prompt -> one result per sample (``n`` in sampling_params), ordered by index."""
+        body = self.build_request(input_ids, sampling_params, **kw)
+        try:
+            r = await self._http.post("/generate", json=body)
+        except httpx.HTTPError as e:
+            raise EngineError(503, f"inference backend unreachable: {e!r}", code="engine_unavailable") from e
+        _raise_for(r)
+        data = r.json()
+        items = data if isinstance(data, list) else [data]
+        try:
+            outs = [GenerateOutput.model_validate(x) for x in items]
+        except ValidationError as e:
+            raise EngineError(502, f"unexpected /generate response: {e}", code="bad_engine_response") from e
+        return sorted(outs, key=lambda o: o.index or 0) if len(outs) > 1 else outs
+
+    async def generate_stream(self, input_ids: list[int], sampling_params: dict[str, Any],
+                              **kw: Any) -> AsyncIterator[GenerateOutput]:
+        """SSE events of a streamed generation (``data: {...}`` … ``data: [DONE]``)."""
+        body = self.build_request(input_ids, sampling_params, stream=True, **kw)
+        try:
+            async with self._http.stream("POST", "/generate", json=body) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    _raise_for(r)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    obj = json.loads(payload)
+                    if isinstance(obj, dict) and "error" in obj:
+                        raise EngineError(502, f"engine error during stream: {obj['error']}", code="engine_error")
+                    try:
+                        yield GenerateOutput.model_validate(obj)
+                    except ValidationError as e:
+                        raise EngineError(502, f"unexpected stream event: {e}", code="bad_engine_response") from e
+        except httpx.HTTPError as e:
+            raise EngineError(503, f"inference backend unreachable: {e!r}", code="engine_unavailable") from e
+
+
+def _raise_for(r: httpx.Response) -> None:
+    if r.status_code < 400:
+        return
+    try:
+        msg = r.json().get("error", {}).get("message") or r.text
+    except (ValueError, AttributeError):
+        msg = r.text
+    if r.status_code == 400:  # the engine refused the request itself (e.g. too long): the client's fault
+        raise EngineError(400, f"engine rejected the request: {msg}", code="engine_rejected")
+    status = 503 if r.status_code in (429, 503) else 502
+    raise EngineError(status, f"inference backend error {r.status_code}: {msg}", code="engine_error")

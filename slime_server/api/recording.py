@@ -1,0 +1,89 @@
+"""The gateway's one seam to the session layer: prepare a turn's prompt ids, commit its results.
+
+Why a seam: sessions.py owns token-exact multi-turn assembly and durability; the gateway must
+only (1) ask it for the prompt ids, (2) append tool-call prefill tokens as *prompt* tokens, and
+(3) commit every choice before the response leaves. Blocking store work runs in a worker thread
+so a slow fsync never stalls the event loop serving other requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from slime_server.api.errors import APIError
+from slime_server.api.protocol import ResponseMessage, Usage, new_id
+
+
+@dataclass
+class ChoiceOutcome:
+    """One generated choice, ready to be recorded."""
+
+    index: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_version: int | str | list[int | str] | None
+    finish_reason: str  # engine's: stop | length | abort
+    message: ResponseMessage
+
+
+async def prepare_turn(sessions: Any, session_id: str | None, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None, n: int, prefill_ids: list[int]) -> Any:
+    """Prompt ids for this turn (``prepared.prompt_ids``), with ``prefill_ids`` appended as prompt."""
+    prepared = await run_in_threadpool(call_store, sessions.prepare_turn, session_id, messages, tools, n=n)
+    if prefill_ids:
+        prepared.prompt_ids = list(prepared.prompt_ids) + list(prefill_ids)
+    return prepared
+
+
+async def prepare_raw(store: Any, session_id: str | None, prompt_ids: list[int], n: int) -> Any:
+    """A turn for ``/v1/completions``: raw prompt ids, always a fresh trajectory (new segment)."""
+    from slime_server.sessions import PreparedTurn
+
+    if session_id is None:
+        return PreparedTurn(session_id=new_id("sess"), ephemeral=True, mode="new", prompt_ids=prompt_ids,
+                            messages=[], n=n)
+
+    def segment() -> int:
+        store.get_or_create_session(session_id)
+        return max((t.segment for t in store.get_trajectories(session_id)), default=-1) + 1
+
+    seg = await run_in_threadpool(call_store, segment)
+    return PreparedTurn(session_id=session_id, mode="new", segment=seg, prompt_ids=prompt_ids, messages=[], n=n)
+
+
+async def commit_turn(sessions: Any, prepared: Any, outcomes: list[ChoiceOutcome], response_id: str,
+                      usage: Usage) -> list[Any]:
+    """Durably record every choice; returns the session layer's turn records."""
+    from slime_server.sessions import ChoiceResult
+
+    choices = [
+        ChoiceResult(
+            output_ids=o.output_ids, output_logprobs=o.output_logprobs, weight_version=o.weight_version,
+            finish_reason=o.finish_reason, message=o.message.model_dump(exclude_none=True),
+            response_id=response_id, usage=usage.model_dump(),
+        )
+        for o in outcomes
+    ]
+    return await run_in_threadpool(call_store, sessions.commit_turn, prepared, choices)
+
+
+def call_store(fn, *args: Any, **kwargs: Any) -> Any:
+    """Call the session layer / store, mapping its typed errors (``status_code``, ``code``) to HTTP."""
+    try:
+        return fn(*args, **kwargs)
+    except APIError:
+        raise
+    except Exception as e:
+        from slime_server.api.chat_template import ChatTemplateError
+
+        if isinstance(e, ChatTemplateError):  # the conversation cannot be rendered: the client's input
+            raise APIError(400, str(e), param="messages", code="invalid_messages") from e
+        status = getattr(e, "status_code", None) or getattr(e, "http_status", None)
+        if isinstance(status, int) and 400 <= status < 500:
+            raise APIError(status, str(e), code=getattr(e, "code", None)) from e
+        if isinstance(e, LookupError):
+            raise APIError(404, str(e) or "not found", code="not_found") from e
+        raise

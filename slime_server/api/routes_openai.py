@@ -1,0 +1,112 @@
+"""OpenAI routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from slime_server.api import openai_chat, recording
+from slime_server.api.app import Gateway, get_gateway, get_principal
+from slime_server.api.auth import Principal
+from slime_server.api.errors import bad_request
+from slime_server.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    Usage,
+    new_id,
+)
+from slime_server.api.sessions_resolve import resolve_session
+
+ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 502, 503)}
+
+router = APIRouter(prefix="/v1", responses=ERRORS)
+
+GW = Annotated[Gateway, Depends(get_gateway)]
+Caller = Annotated[Principal, Depends(get_principal)]
+SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", max_length=200)]
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(gw: GW, _: Caller) -> ModelList:
+    return ModelList(data=[ModelCard(id=gw.model_name)])
+
+
+@router.get("/models/{model_id}", response_model=ModelCard)
+async def get_model(model_id: str, gw: GW, _: Caller) -> ModelCard:
+    openai_chat.check_model(gw, model_id)
+    return ModelCard(id=gw.model_name)
+
+
+@router.post("/chat/completions", response_model=ChatCompletionResponse,
+             responses={200: {"content": {"text/event-stream": {}}}})
+async def chat_completions(req: ChatCompletionRequest, gw: GW, principal: Caller,
+                           x_session_id: SessionHeader = None):
+    openai_chat.validate_chat(gw, req)
+    if not req.stream:
+        return await openai_chat.chat_completion(gw, req, principal, x_session_id)
+    turn, call = await openai_chat.chat_stream(gw, req, principal, x_session_id)
+    return StreamingResponse(openai_chat.stream_events(gw, turn, call), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/completions", response_model=CompletionResponse)
+async def completions(req: CompletionRequest, gw: GW, principal: Caller,
+                      x_session_id: SessionHeader = None) -> CompletionResponse:
+    """Raw completion; recorded as a one-turn trajectory (the prompt is context, the output generated)."""
+    openai_chat.check_model(gw, req.model)
+    if req.stream:
+        raise bad_request("stream is not supported on /v1/completions; use /v1/chat/completions", param="stream")
+    if req.n > gw.settings.max_n:
+        raise bad_request(f"n must be <= {gw.settings.max_n}", param="n")
+    openai_chat.check_penalties(gw, req.frequency_penalty, req.presence_penalty)
+    if isinstance(req.prompt, str):
+        if not req.prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        prompt_ids = await run_in_threadpool(gw.renderer.encode, req.prompt)
+    else:
+        prompt_ids = list(req.prompt)
+    vocab = len(gw.renderer.tokenizer)
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    params = openai_chat.sampling_params(
+        gw, prompt_len=len(prompt_ids), max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+        top_k=None, min_p=None, stop=req.stop, seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty)
+    session_id = resolve_session(principal, x_session_id, req.metadata)
+    prepared = await recording.prepare_raw(gw.store, session_id, prompt_ids, req.n)
+    outs = await gw.engine.generate(prompt_ids, params, return_logprob=True, top_logprobs_num=req.logprobs or 0)
+    completion = sum(len(o.output_ids) for o in outs)
+    usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
+                  total_tokens=len(prompt_ids) + completion)
+    response_id = new_id("cmpl")
+    outcomes = [openai_chat.outcome(o, i, ResponseMessage(content=o.text)) for i, o in enumerate(outs)]
+    await recording.commit_turn(gw.sessions, prepared, outcomes, response_id, usage)
+    choices = []
+    for i, o in enumerate(outs):
+        reason = o.meta_info.finish_reason.type if o.meta_info.finish_reason else "stop"
+        choices.append(CompletionChoice(index=i, text=o.text, finish_reason="length" if reason == "length" else "stop",
+                                        logprobs=_completion_logprobs(gw, o) if req.logprobs is not None else None))
+    return CompletionResponse(id=response_id, model=gw.model_name, choices=choices, usage=usage)
+
+
+def _completion_logprobs(gw: Gateway, out) -> CompletionLogprobs:
+    entries = openai_chat.token_logprobs(gw, out)
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e.token)
+    tops = [{t.token: t.logprob for t in e.top_logprobs} for e in entries]
+    return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
+                              top_logprobs=tops if any(tops) else None, text_offset=offsets)
+

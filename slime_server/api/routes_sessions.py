@@ -1,0 +1,102 @@
+"""Sessions, rewards and feedback REST: how environments close the loop with the trainer.
+
+``POST /v1/sessions`` -> id (+ optional per-session key); chat calls name it; the environment
+later posts a reward (idempotent by ``Idempotency-Key``), closes the session, and can read the
+recorded trajectory exactly as the trainer will see it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header
+from starlette.concurrency import run_in_threadpool
+
+from slime_server.api.app import Gateway, get_gateway, get_principal
+from slime_server.api.auth import Principal, mint_session_key
+from slime_server.api.errors import APIError, bad_request
+from slime_server.api.protocol import (
+    CreateSessionRequest,
+    ErrorResponse,
+    FeedbackRequest,
+    FeedbackResult,
+    RewardRequest,
+    RewardResult,
+    SessionClosed,
+    SessionCreated,
+)
+from slime_server.api.recording import call_store
+from slime_server.api.sessions_resolve import get_session_or_404
+from slime_server.api.sessions_views import SessionView, TrajectoryView, session_view, trajectory_view
+
+router = APIRouter(prefix="/v1", tags=["sessions"],
+                   responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 413)})
+
+GW = Annotated[Gateway, Depends(get_gateway)]
+Caller = Annotated[Principal, Depends(get_principal)]
+
+
+@router.post("/sessions", response_model=SessionCreated)
+async def create_session(body: CreateSessionRequest, gw: GW, principal: Caller) -> SessionCreated:
+    principal.require_admin()
+    from slime_server.buffer.schema import new_id
+
+    session_id = new_id("sess")
+    key, key_hash = mint_session_key(session_id) if body.with_key else (None, None)
+    session = await run_in_threadpool(call_store, gw.store.create_session, session_id, group_id=body.group_id,
+                                      metadata=body.metadata, key_hash=key_hash)
+    return SessionCreated(id=session.id, group_id=session.group_id, api_key=key)
+
+
+async def _session(gw: Gateway, principal: Principal, session_id: str) -> Any:
+    principal.check_session(session_id)
+    return await run_in_threadpool(get_session_or_404, gw.store, session_id)
+
+
+@router.get("/sessions/{session_id}", response_model=SessionView)
+async def get_session(session_id: str, gw: GW, principal: Caller) -> SessionView:
+    session = await _session(gw, principal, session_id)
+    trajs = await run_in_threadpool(call_store, gw.store.get_trajectories, session_id)
+    return session_view(session, trajs)
+
+
+@router.get("/sessions/{session_id}/trajectory", response_model=list[TrajectoryView])
+async def get_trajectory(session_id: str, gw: GW, principal: Caller) -> list[TrajectoryView]:
+    await _session(gw, principal, session_id)
+    trajs = await run_in_threadpool(call_store, gw.store.get_trajectories, session_id)
+    return [trajectory_view(t) for t in trajs]
+
+
+@router.post("/sessions/{session_id}/reward", response_model=RewardResult)
+async def set_reward(session_id: str, body: RewardRequest, gw: GW, principal: Caller,
+                     idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> RewardResult:
+    """Scalar (``reward``) or per-turn (``turn_rewards``); the same idempotency key twice changes nothing."""
+    await _session(gw, principal, session_id)
+    if (body.reward is None) == (body.turn_rewards is None):
+        raise bad_request("give exactly one of 'reward' or 'turn_rewards'", param="reward")
+    key = idempotency_key or body.idempotency_key
+    if idempotency_key and body.idempotency_key and idempotency_key != body.idempotency_key:
+        raise bad_request("Idempotency-Key header and body field differ", param="idempotency_key")
+    changed = await run_in_threadpool(call_store, gw.store.set_reward, session_id, reward=body.reward,
+                                      turn_rewards=body.turn_rewards, idempotency_key=key)
+    return RewardResult(session_id=session_id, changed=bool(changed))
+
+
+@router.post("/sessions/{session_id}/close", response_model=SessionClosed)
+async def close_session(session_id: str, gw: GW, principal: Caller) -> SessionClosed:
+    await _session(gw, principal, session_id)
+    await run_in_threadpool(call_store, gw.store.close_session, session_id)
+    return SessionClosed(id=session_id, status="closed")
+
+
+@router.post("/responses/{response_id}/feedback", response_model=FeedbackResult)
+async def feedback(response_id: str, body: FeedbackRequest, gw: GW, principal: Caller) -> FeedbackResult:
+    if body.thumb is None and body.score is None:
+        raise bad_request("give 'thumb' (up/down) or 'score'", param="thumb")
+    found = await run_in_threadpool(call_store, gw.store.find_by_response_id, response_id)
+    if not found:
+        raise APIError(404, f"unknown response '{response_id}'", code="response_not_found")
+    principal.check_session(found[0][0].session_id)
+    fb = await run_in_threadpool(call_store, gw.store.add_feedback, response_id, thumb=body.thumb,
+                                 score=body.score, comment=body.comment)
+    return FeedbackResult(response_id=response_id, session_id=fb.session_id)

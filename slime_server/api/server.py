@@ -1,0 +1,59 @@
+"""Run the gateway process: ``python -m slime_server.api.server --router-url URL --model-path P``.
+
+Why its own entry point: ``slime-server serve`` starts engines + router and then this; tests and
+benchmarks start it alone in front of an existing router or engine, and kill it (``kill -9``)
+to prove that what was answered was already durable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from slime_server.api.app import create_app
+from slime_server.config import GatewaySettings
+
+
+def build_gateway(router_url: str, model_path: str | Path, settings: GatewaySettings) -> FastAPI:
+    """Wire renderer, SQLite store and session manager into the app (one SQLite file per gateway)."""
+    from slime_server.api.chat_template import ChatRenderer
+    from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+    from slime_server.sessions import SessionManager
+
+    renderer = ChatRenderer(model_path)
+    store = SQLiteTrajectoryStore(settings.db_path)
+    sessions = SessionManager(store, renderer)
+    name = settings.served_model_name or Path(model_path).name
+    return create_app(router_url=router_url, renderer=renderer, sessions=sessions, store=store,
+                      settings=settings, model_name=name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--router-url", required=True, help="sgl-router (or one engine) speaking SGLang /generate")
+    ap.add_argument("--model-path", required=True, help="HF model dir: tokenizer + chat template of the served model")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--db-path", default="slime_server.db")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--tool-parser", default="hermes")
+    ap.add_argument("--reasoning-parser", default="qwen3", help='"" disables')
+    ap.add_argument("--engine-supports-penalties", action="store_true")
+    ap.add_argument("--log-level", default="warning")
+    a = ap.parse_args(argv)
+    settings = GatewaySettings(host=a.host, port=a.port, db_path=a.db_path, api_key=a.api_key,
+                               served_model_name=a.served_model_name, tool_parser=a.tool_parser,
+                               reasoning_parser=a.reasoning_parser or None,
+                               engine_supports_penalties=a.engine_supports_penalties)
+    logging.basicConfig(level=a.log_level.upper())
+    app = build_gateway(a.router_url, a.model_path, settings)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Tool-call parsers: model text -> OpenAI ``tool_calls``, whole-text and streaming.
+
+Why a registry keyed by model family: each family writes calls differently (Qwen/Hermes wrap a
+JSON object in ``<tool_call>…</tool_call>``, Llama 3 emits bare JSON, optionally after
+``<|python_tag|>``), like SGLang's ``--tool-call-parser``. Arguments are returned as the exact JSON
+substring the model produced, so a client that sends the call back gets the same tokens rendered
+again (token-exact sessions, ARCHITECTURE decision 3).
+
+Streaming: ``StreamingToolParser.feed(delta)`` returns content to show now plus tool-call deltas.
+Text that might be the beginning of a call marker is held back until it is decided; a call is
+emitted when its closing marker arrives (first delta: id + name, second: the arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from slime_server.api.protocol import DeltaFunctionCall, DeltaToolCall, new_id
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # JSON string, exactly as produced by the model when possible
+    id: str = field(default_factory=lambda: new_id("call"))
+
+
+@dataclass
+class ParseResult:
+    content: str | None
+    calls: list[ParsedCall]
+
+
+@dataclass
+class StreamDelta:
+    content: str = ""
+    tool_calls: list[DeltaToolCall] = field(default_factory=list)
+
+
+def _arguments_substring(obj_text: str, key: str, value: object) -> str:
+    """The exact text of ``obj[key]`` inside ``obj_text`` (falls back to json.dumps)."""
+    decoder = json.JSONDecoder()
+    for m in re.finditer(rf'"{key}"\s*:\s*', obj_text):
+        try:
+            got, end = decoder.raw_decode(obj_text, m.end())
+        except json.JSONDecodeError:
+            continue
+        if got == value:
+            return obj_text[m.end():end]
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _call_from_json(text: str, args_keys: tuple[str, ...] = ("arguments",)) -> ParsedCall | None:
+    """Parse one ``{"name": ..., "arguments": {...}}`` object; None if it is not a call."""
+    text = text.strip()
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError:
+        return None
+    if end != len(text) or not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    for key in args_keys:
+        if key in obj:
+            value = obj[key]
+            if isinstance(value, str):  # some models emit arguments already JSON-encoded
+                return ParsedCall(obj["name"], value)
+            return ParsedCall(obj["name"], _arguments_substring(text, key, value))
+    return ParsedCall(obj["name"], "{}")
+
+
+class ToolCallParser(ABC):
+    """Whole-text parsing for one model family."""
+
+    @abstractmethod
+    def parse(self, text: str) -> ParseResult: ...
+
+    def streaming(self) -> StreamingToolParser:
+        return StreamingToolParser(self)
+
+
+class HermesToolParser(ToolCallParser):
+    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Hermes, Qwen 2.5/3)."""
+
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def parse(self, text: str) -> ParseResult:
+        calls: list[ParsedCall] = []
+        content_parts: list[str] = []
+        pos = 0
+        while True:
+            i = text.find(self.start, pos)
+            if i < 0:
+                content_parts.append(text[pos:])
+                break
+            j = text.find(self.end, i + len(self.start))
+            call = _call_from_json(text[i + len(self.start):j]) if j >= 0 else None
+            if call is None:  # unterminated or malformed: keep it visible as content
+                content_parts.append(text[pos:])
+                break
+            content_parts.append(text[pos:i])
+            calls.append(call)
+            pos = j + len(self.end)
+        content = "".join(content_parts)
+        if calls:
+            content = content.strip()
+        return ParseResult(content or None, calls)
+
+
+class Llama3JsonToolParser(ToolCallParser):
+    """Llama 3.x JSON calls: ``[<|python_tag|>]{"name": ..., "parameters": {...}}`` separated by ``;``."""
+
+    python_tag = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParseResult:
+        body = text.strip()
+        prefix = ""
+        if self.python_tag in body:
+            prefix, _, body = body.partition(self.python_tag)
+            body = body.strip()
+        if not body.startswith("{"):
+            return ParseResult(text or None, [])
+        calls: list[ParsedCall] = []
+        decoder = json.JSONDecoder()
+        pos = 0
+        while pos < len(body):
+            try:
+                _, end = decoder.raw_decode(body, pos)
+            except json.JSONDecodeError:
+                return ParseResult(text or None, [])
+            call = _call_from_json(body[pos:end], ("parameters", "arguments"))
+            if call is None:
+                return ParseResult(text or None, [])
+            calls.append(call)
+            pos = end
+            while pos < len(body) and body[pos] in " \t\r\n;":
+                pos += 1
+        return ParseResult(prefix.strip() or None, calls)
+
+
+class StreamingToolParser:
+    """Incremental parser: ``feed(delta)`` -> content to emit now + complete tool-call deltas."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+        self.buffer = ""  # undecided text (a possible call or marker prefix)
+        self.emitted_calls: list[ParsedCall] = []
+        self._bare_json: bool | None = None  # llama3: decided by the first non-space character
+        self._pending_ws = ""
+        self._shown_content = False
+
+    def feed(self, delta: str) -> StreamDelta:
+        self.buffer += delta
+        if isinstance(self.parser, HermesToolParser):
+            return self._feed_hermes(self.parser)
+        return self._feed_llama3()
+
+    def finish(self) -> StreamDelta:
+        """Flush at end of generation: parse what is left (e.g. a trailing bare-JSON call)."""
+        rest, self.buffer = self.buffer, ""
+        out = StreamDelta()
+        if rest:
+            result = self.parser.parse(rest)
+            for call in result.calls:
+                out.tool_calls.extend(self._emit(call))
+            out.content = self._content(result.content or "")
+        if not self.emitted_calls:  # no call at all: whitespace is real content
+            out.content += self._pending_ws
+        self._pending_ws = ""
+        return out
+
+    def _content(self, text: str) -> str:
+        """Hold back whitespace-only runs: dropped next to tool calls (as ``parse`` strips them)."""
+        if not text:
+            return ""
+        if not text.strip():
+            self._pending_ws += text
+            return ""
+        if self.emitted_calls and not self._pending_ws and not self._shown_content:
+            text = text.lstrip()
+        text, self._pending_ws = self._pending_ws + text, ""
+        stripped = text.rstrip()
+        self._pending_ws = text[len(stripped):]
+        self._shown_content = True
+        return stripped
+
+    def _emit(self, call: ParsedCall) -> list[DeltaToolCall]:
+        self._pending_ws = ""
+        index = len(self.emitted_calls)
+        self.emitted_calls.append(call)
+        return [
+            DeltaToolCall(index=index, id=call.id, type="function",
+                          function=DeltaFunctionCall(name=call.name, arguments="")),
+            DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments)),
+        ]
+
+    def _feed_hermes(self, p: HermesToolParser) -> StreamDelta:
+        out = StreamDelta()
+        while self.buffer:
+            i = self.buffer.find(p.start)
+            if i < 0:
+                keep = _partial_suffix(self.buffer, p.start)
+                emit, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                out.content += self._content(emit)
+                break
+            out.content += self._content(self.buffer[:i])
+            self.buffer = self.buffer[i:]
+            j = self.buffer.find(p.end)
+            if j < 0:
+                break  # wait for the closing marker
+            block = self.buffer[: j + len(p.end)]
+            call = _call_from_json(block[len(p.start): j])
+            if call is None:
+                out.content += self._content(block)
+            else:
+                out.tool_calls.extend(self._emit(call))
+            self.buffer = self.buffer[j + len(p.end):]
+        return out
+
+    def _feed_llama3(self) -> StreamDelta:
+        if self._bare_json is None:
+            stripped = self.buffer.lstrip()
+            if not stripped:
+                return StreamDelta()
+            tag = Llama3JsonToolParser.python_tag
+            if stripped.startswith("{") or stripped.startswith(tag):
+                self._bare_json = True
+            elif tag.startswith(stripped):
+                return StreamDelta()  # could still become the python tag
+            else:
+                self._bare_json = False
+        if self._bare_json:
+            return StreamDelta()  # a JSON call: decided at finish()
+        text, self.buffer = self.buffer, ""
+        return StreamDelta(content=text)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesToolParser,
+    "qwen": HermesToolParser,
+    "qwen25": HermesToolParser,
+    "qwen3": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "llama3": Llama3JsonToolParser,
+}
+
+
+def get_tool_parser(name: str) -> ToolCallParser:
+    """Parser for a model family name (see ``TOOL_PARSERS``); KeyError names the known ones."""
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise KeyError(f"unknown tool parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None

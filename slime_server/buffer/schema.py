@@ -1,0 +1,200 @@
+"""Records of the trajectory buffer (ARCHITECTURE decision 6), as pydantic models.
+
+Why pydantic: these are the wire format between the gateway, the store, the trainer and the
+exporters; one validated shape keeps a SQLite store and a future Postgres store interchangeable.
+Token arrays are plain lists here; how a store lays them out on disk is its own business.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+SessionStatus = Literal["open", "closed"]
+TrajectoryStatus = Literal["open", "finished", "aborted"]
+Thumb = Literal["up", "down"]
+
+
+def now() -> float:
+    return time.time()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StoreError(Exception):
+    """Base of the store's typed errors; ``status_code`` is what the gateway answers."""
+
+    status_code = 400
+    code = "invalid_request"
+
+
+class NotFoundError(StoreError, LookupError):
+    status_code = 404
+    code = "not_found"
+
+
+class SessionNotFound(NotFoundError):
+    code = "session_not_found"
+
+
+class TrajectoryNotFound(NotFoundError):
+    code = "trajectory_not_found"
+
+
+class ResponseNotFound(NotFoundError):
+    code = "response_not_found"
+
+
+class ConflictError(StoreError):
+    status_code = 409
+    code = "conflict"
+
+
+class SessionClosedError(ConflictError):
+    code = "session_closed"
+
+
+class SessionExistsError(ConflictError):
+    code = "session_exists"
+
+
+class IdempotencyConflict(ConflictError):
+    """The idempotency key was already used with a different payload."""
+
+    code = "idempotency_key_reused"
+
+
+class StaleWriteError(ConflictError):
+    """A trajectory changed between read and write (optimistic concurrency); the caller retries."""
+
+    code = "stale_write"
+
+
+class ToolCallRef(BaseModel):
+    """A tool call as rendered: ``arguments`` is the exact JSON text the model produced."""
+
+    id: str | None = None
+    name: str
+    arguments: str
+
+
+class NormalizedMessage(BaseModel):
+    """One chat message in the canonical shape shared by the renderer and the session matcher."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallRef] = Field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class Session(BaseModel):
+    id: str
+    group_id: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    status: SessionStatus = "open"
+    key_hash: str | None = None
+    # Times a request could not extend any earlier trajectory and began a new segment (decision 3).
+    segment_splits: int = 0
+    created_at: float = Field(default_factory=now)
+    updated_at: float = Field(default_factory=now)
+
+
+class Turn(BaseModel):
+    """One generated response inside a trajectory: ``tokens[prompt_start:output_start]`` is the
+    context this turn added (loss mask 0), ``tokens[output_start:output_end]`` what it generated."""
+
+    response_id: str
+    choice: int = 0  # index of the choice within its response (n > 1 makes sibling branches)
+    prompt_start: int
+    output_start: int
+    output_end: int
+    finish_reason: str | None = None
+    tool_calls: list[ToolCallRef] = Field(default_factory=list)
+    created_at: float = Field(default_factory=now)
+
+
+class Trajectory(BaseModel):
+    """One token sequence the trainer can learn from: a segment/branch of a session."""
+
+    id: str = Field(default_factory=lambda: new_id("traj"))
+    session_id: str
+    segment: int = 0
+    branch: int = 0
+    group_id: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    rollout_logprobs: list[float] = Field(default_factory=list)
+    weight_versions: list[int] = Field(default_factory=list)
+    turns: list[Turn] = Field(default_factory=list)
+    # Normalised conversation so far (last request's messages + the assistant message returned), and
+    # a digest of the tools it was rendered with: what rule (b) of decision 3 compares against.
+    messages: list[NormalizedMessage] = Field(default_factory=list)
+    tools_digest: str | None = None
+    reward: float | None = None
+    turn_rewards: list[float | None] = Field(default_factory=list)
+    status: TrajectoryStatus = "open"
+    consumed_step: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    revision: int = 0  # bumped on every write; optimistic concurrency for the store
+    created_at: float = Field(default_factory=now)
+    updated_at: float = Field(default_factory=now)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Trajectory:
+        n = len(self.tokens)
+        if not (len(self.loss_mask) == len(self.rollout_logprobs) == len(self.weight_versions) == n):
+            raise ValueError("tokens, loss_mask, rollout_logprobs and weight_versions must have equal length")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask holds only 0 and 1")
+        return self
+
+    @property
+    def consumed(self) -> bool:
+        return self.consumed_step is not None
+
+    @property
+    def response_length(self) -> int:
+        """slime's ``response_length``: tokens from the first generated token to the end."""
+        first = next((t.output_start for t in self.turns), len(self.tokens))
+        return len(self.tokens) - first
+
+
+class RewardEvent(BaseModel):
+    """A reward as it arrived; ``idempotency_key`` is unique across the store."""
+
+    idempotency_key: str
+    session_id: str
+    reward: float | None = None
+    turn_rewards: list[float] | None = None
+    created_at: float = Field(default_factory=now)
+
+    def payload(self) -> tuple[float | None, list[float] | None]:
+        return self.reward, self.turn_rewards
+
+
+class Feedback(BaseModel):
+    id: str = Field(default_factory=lambda: new_id("fb"))
+    response_id: str
+    session_id: str
+    thumb: Thumb | None = None
+    score: float | None = None
+    comment: str | None = None
+    created_at: float = Field(default_factory=now)
+
+
+class StoreStats(BaseModel):
+    sessions: int = 0
+    open_sessions: int = 0
+    trajectories: dict[str, int] = Field(default_factory=dict)  # by status
+    rewarded: int = 0
+    unconsumed_finished_rewarded: int = 0
+    tokens: int = 0
+    segment_splits: int = 0
+    feedback: int = 0

@@ -1,0 +1,134 @@
+"""The small interface every trajectory store implements (SQLite now, Postgres for many nodes).
+
+Why an interface: the gateway, the session layer, the trainer and the exporters talk to this and
+nothing else, so swapping the embedded SQLite file for a shared Postgres changes no caller.
+Everything here is expressed in the pydantic records of ``schema.py``; no SQL semantics leak out
+(cursors are trajectory ids, concurrency is an explicit revision check, errors are typed).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from slime_server.buffer.schema import Feedback, Session, StoreStats, Thumb, Trajectory, TrajectoryStatus
+
+
+class ResponseRef(BaseModel):
+    """Which trajectory recorded choice ``choice`` of response ``response_id``."""
+
+    response_id: str
+    choice: int
+    trajectory_id: str
+
+
+class TurnWrite(BaseModel):
+    """Everything one chat request changes, written in one transaction.
+
+    ``trajectories`` carry their full new state; each one's ``revision`` is the revision it was read
+    at (0 for a trajectory that does not exist yet). The store rejects the whole write with
+    ``StaleWriteError`` if any of them changed meanwhile, and stores ``revision + 1``.
+    """
+
+    session_id: str
+    trajectories: list[Trajectory]
+    responses: list[ResponseRef] = Field(default_factory=list)
+    segment_split: bool = False
+    close_session: bool = False
+    create_session: Session | None = Field(
+        None, description="insert this session in the same transaction (a one-shot request without a session: "
+                          "one fsync instead of two)")
+
+
+class TrajectoryStore(ABC):
+    """Durable sessions, trajectories, rewards and feedback. Every write is committed on return."""
+
+    # ---------------------------------------------------------------- sessions
+    @abstractmethod
+    def create_session(self, session_id: str | None = None, *, group_id: str | None = None,
+                       metadata: dict[str, Any] | None = None, key_hash: str | None = None) -> Session:
+        """Create a session (a fresh id when none is given); ``SessionExistsError`` if taken."""
+
+    @abstractmethod
+    def get_session(self, session_id: str) -> Session:
+        """The session, or ``SessionNotFound``."""
+
+    @abstractmethod
+    def get_or_create_session(self, session_id: str, *, group_id: str | None = None,
+                              metadata: dict[str, Any] | None = None) -> Session:
+        """Sessions named by a client header come into being on first use."""
+
+    @abstractmethod
+    def close_session(self, session_id: str) -> Session:
+        """Close the session and finish its open trajectories (idempotent)."""
+
+    # ---------------------------------------------------------------- trajectories
+    @abstractmethod
+    def get_trajectories(self, session_id: str) -> list[Trajectory]:
+        """All trajectories of a session, ordered by (segment, branch); ``SessionNotFound`` if unknown."""
+
+    @abstractmethod
+    def get_trajectory(self, trajectory_id: str) -> Trajectory:
+        """One trajectory, or ``TrajectoryNotFound``."""
+
+    @abstractmethod
+    def write_turn(self, write: TurnWrite) -> list[Trajectory]:
+        """Apply a turn atomically and durably; returns the trajectories as stored."""
+
+    @abstractmethod
+    def find_by_response_id(self, response_id: str) -> list[tuple[Trajectory, int]]:
+        """(trajectory, turn index) for every choice of a response; ``ResponseNotFound`` if unknown."""
+
+    @abstractmethod
+    def list_trajectories(self, *, status: TrajectoryStatus | None = None, rewarded: bool | None = None,
+                          unconsumed: bool | None = None, session_id: str | None = None,
+                          limit: int = 100, after: str | None = None) -> list[Trajectory]:
+        """Trajectories in write order; ``after`` is the id of the last one of the previous page."""
+
+    def iter_trajectories(self, *, page_size: int = 256, **filters: Any) -> Iterator[Trajectory]:
+        """Every trajectory matching ``filters``, paging through :meth:`list_trajectories`."""
+        after: str | None = None
+        while True:
+            page = self.list_trajectories(limit=page_size, after=after, **filters)
+            yield from page
+            if len(page) < page_size:
+                return
+            after = page[-1].id
+
+    @abstractmethod
+    def mark_consumed(self, trajectory_ids: list[str], train_step: int) -> int:
+        """Record that the trainer used these at ``train_step``; returns how many were newly marked."""
+
+    # ---------------------------------------------------------------- rewards and feedback
+    @abstractmethod
+    def set_reward(self, session_id: str, *, reward: float | None = None,
+                   turn_rewards: list[float] | None = None, idempotency_key: str | None = None) -> bool:
+        """Apply a reward to the session's trajectories.
+
+        ``reward`` sets every trajectory's scalar reward; ``turn_rewards[i]`` is the reward of the
+        session's i-th response (commit order) and lands on the turns that recorded it. A later
+        event overrides an earlier one (last write wins). Returns True if applied, False if
+        ``idempotency_key`` was already applied with the same payload (``IdempotencyConflict`` if
+        with a different one). Without a key every call applies.
+        """
+
+    @abstractmethod
+    def add_feedback(self, response_id: str, *, thumb: Thumb | None = None, score: float | None = None,
+                     comment: str | None = None) -> Feedback:
+        """Attach user feedback to a response; ``ResponseNotFound`` if unknown."""
+
+    @abstractmethod
+    def get_feedback(self, response_id: str) -> list[Feedback]:
+        """Feedback recorded for a response, oldest first."""
+
+    # ---------------------------------------------------------------- housekeeping
+    @abstractmethod
+    def stats(self) -> StoreStats:
+        """Counts for /metrics and the dashboard."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections."""

@@ -1,0 +1,119 @@
+"""``slime-server demo``: the main job on the CPU default, end to end, with nothing to download.
+
+It brings up what ``slime-server serve`` does (Ray, engines, the real sgl-router, the gateway),
+then plays one agent episode through the real ``openai`` SDK exactly as a user's agent would:
+open a session, chat with a tool offered, send the tool result back, post a reward, close the
+session, and print the recorded token-exact trajectory. Then it keeps serving until Ctrl-C
+(``--episodes-only`` exits instead, which is what the test uses).
+
+Why a separate command and not a script: it is the first thing a new user runs (``make demo``),
+so it must use the same code paths as production and shut down with no orphan processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from slime_server.config import ServerSettings
+from slime_server.utils.net import find_free_port
+
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def play_episode(base_url: str, api_key: str | None, *, seed: int = 0) -> dict[str, Any]:
+    """One tool-using episode through the OpenAI SDK; returns the recorded trajectory summary."""
+    from openai import OpenAI
+
+    key = api_key or "none"
+    rest = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    session = rest.post("/sessions", json={"metadata": {"source": "demo"}}).raise_for_status().json()
+    sid = session["id"]
+    client = OpenAI(base_url=base_url, api_key=key, default_headers={"X-Session-Id": sid})
+    model = client.models.list().data[0].id
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    first = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL],
+                                           max_tokens=48, temperature=1.0, seed=seed)
+    msg = first.choices[0].message
+    print(f"[demo] turn 1 ({first.choices[0].finish_reason}): {msg.content!r} tool_calls={len(msg.tool_calls or [])}",
+          flush=True)
+    messages.append(msg.model_dump(exclude_none=True))
+    call_id = msg.tool_calls[0].id if msg.tool_calls else "call_demo"
+    messages.append({"role": "tool", "tool_call_id": call_id, "content": json.dumps({"temp_c": 18, "sky": "clear"})})
+    second = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER_TOOL],
+                                            max_tokens=48, temperature=1.0, seed=seed + 1)
+    print(f"[demo] turn 2 ({second.choices[0].finish_reason}): {second.choices[0].message.content!r}", flush=True)
+    rest.post(f"/sessions/{sid}/reward", json={"reward": 1.0, "idempotency_key": "demo"}).raise_for_status()
+    rest.post(f"/sessions/{sid}/close").raise_for_status()
+    trajs = rest.get(f"/sessions/{sid}/trajectory").raise_for_status().json()
+    summary = {
+        "session_id": sid,
+        "segments": len(trajs),
+        "tokens": sum(t["num_tokens"] for t in trajs),
+        "trained_tokens": sum(sum(t["loss_mask"]) for t in trajs),
+        "reward": trajs[0]["reward"] if trajs else None,
+        "weight_versions": sorted({v for t in trajs for v, m in zip(t["weight_versions"], t["loss_mask"], strict=True) if m}),
+    }
+    print("[demo] trajectory: " + json.dumps(summary), flush=True)
+    return summary
+
+
+class DemoCommand:
+    help = "serve the tiny CPU model and play one recorded agent episode through the OpenAI SDK"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--port", type=int, default=None, help="gateway port (default: a free one)")
+        parser.add_argument("--db-path", default=None, help="SQLite trajectory store (default: a temp dir)")
+        parser.add_argument("--log-dir", default=None, help="engine and router logs (default: a temp dir)")
+        parser.add_argument("--episodes-only", action="store_true", help="exit after the episode instead of serving")
+
+    def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
+        import tempfile
+
+        from slime_server.api.serve_cmd import RunningServer, start_server
+        from slime_server.cli import run_until_signal
+
+        work = Path(tempfile.mkdtemp(prefix="slime-demo-"))
+        gw_settings = settings.gateway.model_copy(update={
+            "port": args.port or find_free_port(), "db_path": args.db_path or str(work / "trajectories.db")})
+
+        def start_and_play() -> RunningServer:
+            t0 = time.monotonic()
+            running = start_server(settings, gw_settings, args.log_dir or work / "logs")
+            try:
+                print(f"[demo] up in {time.monotonic() - t0:.1f}s: openai_base_url: {running.base_url} "
+                      f"({len(running.deployment.engine_urls)} engine(s), db {gw_settings.db_path})", flush=True)
+                play_episode(running.base_url, gw_settings.api_key)
+            except BaseException:
+                running.stop()
+                raise
+            return running
+
+        if args.episodes_only:
+            start_and_play().stop()
+            print("[demo] stopped", flush=True)
+            return 0
+
+        def start() -> RunningServer:
+            running = start_and_play()
+            print("[demo] serving; point any OpenAI client at the URL above. Ctrl-C stops.", flush=True)
+            return running
+
+        code = run_until_signal(start, lambda running: running.stop())
+        print("[demo] stopped", flush=True)
+        return code

@@ -1,0 +1,181 @@
+"""Real stack for the gateway tests: one CPU engine, the real sgl-router, the gateway process.
+
+Each gateway runs as its own process on a real port (so tests can ``kill -9`` it), with its own
+SQLite file; the engine and router are shared by a test module.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from slime_server.utils.net import find_free_port, wait_http_ok
+from slime_server.utils.procs import kill_group, python_module_cmd, spawn
+
+MODEL = "tiny"
+
+
+@dataclass
+class GatewayProc:
+    url: str
+    proc: subprocess.Popen
+    db_path: Path
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+def start_gateway(router_url: str, model_path: Path, db_path: Path, log_path: Path,
+                  *extra: str) -> GatewayProc:
+    port = find_free_port()
+    cmd = python_module_cmd("slime_server.api.server", "--router-url", router_url, "--model-path", str(model_path),
+                            "--db-path", str(db_path), "--port", str(port), "--served-model-name", MODEL, *extra)
+    proc = spawn(cmd, env={"OMP_NUM_THREADS": "1"}, log_path=str(log_path))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{url}/health", timeout=90, proc=proc)
+    except Exception:
+        kill_group(proc)
+        raise RuntimeError(f"gateway did not start:\n{log_path.read_text()[-3000:]}") from None
+    return GatewayProc(url, proc, db_path, log_path)
+
+
+def stop_gateway(gw: GatewayProc) -> None:
+    kill_group(gw.proc, timeout=5)
+
+
+@contextmanager
+def engine_and_router(model_path: Path, log_dir: Path) -> Iterator[str]:
+    """One CPU engine serving ``model_path`` behind the real sgl-router; yields the router URL."""
+    from slime_server.config import RouterSettings
+    from slime_server.rollout.actors import EngineActor, EngineSpec
+    from slime_server.rollout.router import RouterProcess
+
+    engine = EngineActor(EngineSpec(model_path=str(model_path), log_path=str(log_dir / "engine.log"),
+                                    startup_timeout_s=120), start=False, monitor=False)
+    engine.start()
+    try:
+        with RouterProcess(RouterSettings(policy="round_robin"), log_path=log_dir / "router.log") as router:
+            router.start(worker_urls=[engine.url()])
+            deadline = time.monotonic() + 60
+            while not router.worker_urls(healthy_only=True) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            yield router.url
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def router_url(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with engine_and_router(tiny_model_path, tmp_path_factory.mktemp("stack")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def gateway(router_url: str, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
+    d = tmp_path_factory.mktemp("gateway")
+    gw = start_gateway(router_url, tiny_model_path, d / "traj.db", d / "gateway.log")
+    yield gw
+    stop_gateway(gw)
+
+
+def openai_client(gw: GatewayProc, api_key: str = "EMPTY", **kw):
+    import openai
+
+    return openai.OpenAI(base_url=gw.base_url, api_key=api_key, max_retries=0, timeout=120, **kw)
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_USER = "What is the weather in Paris?"
+TOOL_ARGS = '{"city": "Paris"}'
+TOOL_RESULT = '{"temp_c": 21, "sky": "sunny"}'
+FINAL_ANSWER = "It is sunny and 21 C in Paris."
+
+
+def tool_conversation() -> list[dict]:
+    return [
+        {"role": "user", "content": TOOL_USER},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_0", "type": "function",
+                         "function": {"name": "get_weather", "arguments": TOOL_ARGS}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": TOOL_RESULT},
+        {"role": "assistant", "content": FINAL_ANSWER},
+    ]
+
+
+TOOL_MODEL_VERSION = "1"
+
+
+def cached_tool_model(base: Path) -> Path:
+    """``train_tool_model`` once per machine (it takes ~30 s of CPU), cached beside the tiny model."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    out = base.parent / f"{base.name}-gateway-tool-v{TOOL_MODEL_VERSION}"
+    with open(base.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=base.parent))
+            train_tool_model(base, tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+    return out
+
+
+def train_tool_model(base: Path, out: Path, steps: int = 80) -> Path:
+    """Fine-tune the tiny model for a few steps to emit the weather call for the weather question.
+
+    Why: a random tiny model never writes a well-formed call; overfitting one conversation gives a
+    real model whose greedy output is a real call, so the tool path is tested end to end.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    model = AutoModelForCausalLM.from_pretrained(str(base))
+    conv = tool_conversation()
+    ids: list[int] = []
+    mask: list[int] = []
+    for k in (1,):  # the assistant's call, trained in its rendered context
+        ctx = tok.apply_chat_template(conv[:k], tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(conv[: k + 1], tools=[WEATHER_TOOL], tokenize=False)
+        assert full.startswith(ctx)
+        c = tok.encode(ctx, add_special_tokens=False)
+        target = tok.encode(full[len(ctx):].rstrip("\n"), add_special_tokens=False)
+        ids.append(c + target)
+        mask.append(len(c))
+    torch.set_num_threads(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    model.train()
+    for _ in range(steps):
+        loss = torch.zeros(())
+        for seq, start in zip(ids, mask, strict=True):
+            x = torch.tensor([seq])
+            labels = x.clone()
+            labels[0, :start] = -100
+            loss = loss + model(input_ids=x, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if float(loss.detach()) < 0.05:
+            break
+    model.eval()
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out

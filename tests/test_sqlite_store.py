@@ -1,0 +1,220 @@
+"""The SQLite trajectory store: exact round-trips, rewards, feedback, paging, durability."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slime_server.buffer.schema import (
+    IdempotencyConflict,
+    ResponseNotFound,
+    SessionExistsError,
+    SessionNotFound,
+    StaleWriteError,
+    StoreError,
+    Trajectory,
+    TrajectoryNotFound,
+    Turn,
+)
+from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+from slime_server.buffer.store import ResponseRef, TurnWrite
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = SQLiteTrajectoryStore(tmp_path / "buffer.db")
+    yield s
+    s.close()
+
+
+def _traj(session_id: str, logprobs: list[float], *, response_id: str = "chatcmpl-1", segment: int = 0,
+          branch: int = 0) -> Trajectory:
+    n_prompt = 3
+    return Trajectory(
+        session_id=session_id, segment=segment, branch=branch, group_id=session_id,
+        tokens=list(range(10, 10 + n_prompt + len(logprobs))),
+        loss_mask=[0] * n_prompt + [1] * len(logprobs), rollout_logprobs=[0.0] * n_prompt + logprobs,
+        weight_versions=[-1] * n_prompt + [4] * len(logprobs),
+        turns=[Turn(response_id=response_id, prompt_start=0, output_start=n_prompt,
+                    output_end=n_prompt + len(logprobs), finish_reason="stop")],
+        turn_rewards=[None])
+
+
+def _write(store: SQLiteTrajectoryStore, traj: Trajectory, *, close: bool = False) -> Trajectory:
+    refs = [ResponseRef(response_id=t.response_id, choice=0, trajectory_id=traj.id) for t in traj.turns
+            if traj.revision == 0]
+    [stored] = store.write_turn(TurnWrite(session_id=traj.session_id, trajectories=[traj], responses=refs,
+                                          close_session=close))
+    return stored
+
+
+def test_sessions_create_get_and_typed_not_found(store: SQLiteTrajectoryStore) -> None:
+    s = store.create_session(group_id="g1", metadata={"env": "calc"}, key_hash="abc")
+    got = store.get_session(s.id)
+    assert (got.group_id, got.metadata, got.key_hash, got.status) == ("g1", {"env": "calc"}, "abc", "open")
+    with pytest.raises(SessionExistsError):
+        store.create_session(s.id)
+    with pytest.raises(SessionNotFound) as exc:
+        store.get_session("nope")
+    assert isinstance(exc.value, LookupError) and exc.value.status_code == 404
+    with pytest.raises(SessionNotFound):
+        store.set_reward("nope", reward=1.0)
+    with pytest.raises(SessionNotFound):
+        store.get_trajectories("nope")
+    assert store.get_or_create_session("hdr-1").id == "hdr-1"
+    assert store.get_or_create_session("hdr-1").created_at == store.get_session("hdr-1").created_at
+
+
+def test_token_arrays_and_logprobs_round_trip_bit_exactly(store: SQLiteTrajectoryStore) -> None:
+    weird = [-0.0, -1e-320, -math.inf, -0.1 - 2**-50, -12.345678901234567, -5e-324, -math.pi]
+    store.create_session("s")
+    traj = _write(store, _traj("s", weird))
+    back = store.get_trajectory(traj.id)
+    assert [x.hex() for x in back.rollout_logprobs] == [x.hex() for x in traj.rollout_logprobs]
+    assert math.copysign(1.0, back.rollout_logprobs[3]) == -1.0  # negative zero survives
+    assert (back.tokens, back.loss_mask, back.weight_versions) == (traj.tokens, traj.loss_mask, traj.weight_versions)
+    assert back.turns == traj.turns and back.revision == 1
+
+
+def test_optimistic_concurrency_rejects_stale_writes(store: SQLiteTrajectoryStore) -> None:
+    store.create_session("s")
+    stored = _write(store, _traj("s", [-0.5]))
+    _write(store, stored.model_copy(update={"metadata": {"a": 1}}))
+    with pytest.raises(StaleWriteError):
+        _write(store, stored.model_copy(update={"metadata": {"b": 2}}))  # read at revision 1, now 2
+    with pytest.raises(StaleWriteError):  # same (segment, branch) inserted twice
+        _write(store, _traj("s", [-0.5], response_id="chatcmpl-2"))
+    assert store.get_trajectory(stored.id).metadata == {"a": 1}
+
+
+def test_rewards_are_idempotent_and_per_turn(store: SQLiteTrajectoryStore) -> None:
+    store.create_session("s")
+    t = _write(store, _traj("s", [-0.5, -0.25], response_id="chatcmpl-a"))
+    assert store.set_reward("s", reward=1.0, idempotency_key="k1") is True
+    assert store.set_reward("s", reward=1.0, idempotency_key="k1") is False
+    assert store.get_trajectory(t.id).reward == 1.0
+    with pytest.raises(IdempotencyConflict) as exc:
+        store.set_reward("s", reward=0.0, idempotency_key="k1")
+    assert exc.value.status_code == 409
+    assert store.set_reward("s", reward=0.25, idempotency_key="k2") is True  # a new key: last write wins
+    assert store.get_trajectory(t.id).reward == 0.25
+    assert store.set_reward("s", turn_rewards=[0.75]) is True
+    assert store.get_trajectory(t.id).turn_rewards == [0.75]
+    with pytest.raises(StoreError) as bad:
+        store.set_reward("s", turn_rewards=[1.0, 2.0])
+    assert bad.value.status_code == 400
+    with pytest.raises(StoreError):
+        store.set_reward("s")
+
+
+def test_feedback_and_response_lookup(store: SQLiteTrajectoryStore) -> None:
+    store.create_session("s")
+    t = _write(store, _traj("s", [-0.5], response_id="chatcmpl-fb"))
+    [(found, turn_index)] = store.find_by_response_id("chatcmpl-fb")
+    assert (found.id, turn_index) == (t.id, 0)
+    fb = store.add_feedback("chatcmpl-fb", thumb="down", comment="wrong city")
+    assert fb.session_id == "s"
+    assert [f.thumb for f in store.get_feedback("chatcmpl-fb")] == ["down"]
+    with pytest.raises(ResponseNotFound):
+        store.add_feedback("chatcmpl-missing", thumb="up")
+    with pytest.raises(ResponseNotFound):
+        store.find_by_response_id("chatcmpl-missing")
+
+
+def test_listing_filters_paging_and_consumption(store: SQLiteTrajectoryStore) -> None:
+    ids = []
+    for i in range(5):
+        store.create_session(f"s{i}")
+        ids.append(_write(store, _traj(f"s{i}", [-0.1 * (i + 1)], response_id=f"chatcmpl-{i}")).id)
+    for i in (0, 1, 2):
+        store.close_session(f"s{i}")
+    store.set_reward("s0", reward=1.0)
+    store.set_reward("s2", reward=0.0)
+    assert [t.id for t in store.list_trajectories(status="open")] == ids[3:]
+    ready = store.list_trajectories(status="finished", rewarded=True, unconsumed=True)
+    assert [t.id for t in ready] == [ids[0], ids[2]]
+    assert store.stats().unconsumed_finished_rewarded == 2
+    assert store.mark_consumed([ids[0], "traj-unknown"], train_step=7) == 1
+    assert store.mark_consumed([ids[0]], train_step=8) == 0  # first consumption wins
+    assert [t.id for t in store.list_trajectories(status="finished", rewarded=True, unconsumed=True)] == [ids[2]]
+    assert store.get_trajectory(ids[0]).consumed_step == 7
+    page1 = store.list_trajectories(limit=2)
+    page2 = store.list_trajectories(limit=2, after=page1[-1].id)
+    assert [t.id for t in page1 + page2] == ids[:4]
+    assert [t.id for t in store.iter_trajectories(page_size=2)] == ids
+    with pytest.raises(TrajectoryNotFound):
+        store.list_trajectories(after="traj-unknown")
+    stats = store.stats()
+    assert (stats.sessions, stats.open_sessions, stats.trajectories, stats.rewarded) == (
+        5, 2, {"finished": 3, "open": 2}, 2)
+
+
+def test_schema_is_versioned_and_reopen_keeps_data(tmp_path: Path) -> None:
+    path = tmp_path / "v.db"
+    s = SQLiteTrajectoryStore(path)
+    s.create_session("keep")
+    s.close()
+    s2 = SQLiteTrajectoryStore(path)
+    assert s2.schema_version() == SQLiteTrajectoryStore.SCHEMA_VERSION
+    assert s2.get_session("keep").id == "keep"
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("SELECT COUNT(*) FROM schema_migrations").fetchone()[0] == SQLiteTrajectoryStore.SCHEMA_VERSION
+    conn.execute("INSERT INTO schema_migrations VALUES (999, 0)")
+    conn.commit()
+    conn.close()
+    s2.close()
+    with pytest.raises(StoreError, match="newer"):
+        SQLiteTrajectoryStore(path)
+
+
+_WRITER = textwrap.dedent("""
+    import sys, time
+    from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+    from slime_server.buffer.schema import Trajectory, Turn
+    from slime_server.buffer.store import ResponseRef, TurnWrite
+    store = SQLiteTrajectoryStore(sys.argv[1])
+    store.create_session("durable")
+    logprobs = [-(i + 1) / 7 for i in range(50)]
+    t = Trajectory(session_id="durable", tokens=list(range(53)), loss_mask=[0] * 3 + [1] * 50,
+                   rollout_logprobs=[0.0] * 3 + logprobs, weight_versions=[-1] * 3 + [2] * 50,
+                   turns=[Turn(response_id="chatcmpl-d", prompt_start=0, output_start=3, output_end=53)])
+    store.write_turn(TurnWrite(session_id="durable", trajectories=[t],
+                               responses=[ResponseRef(response_id="chatcmpl-d", choice=0, trajectory_id=t.id)]))
+    print("COMMITTED", t.id, flush=True)
+    while True:  # keep writing other sessions until killed, so the kill lands mid-activity
+        store.create_session()
+""")
+
+
+def test_committed_turn_survives_kill_9(tmp_path: Path) -> None:
+    db = tmp_path / "durable.db"
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(db)], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("COMMITTED"), line
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    store = SQLiteTrajectoryStore(db)
+    try:
+        assert store.integrity_check() == "ok"
+        [traj] = store.get_trajectories("durable")
+        assert traj.id == line.split()[1]
+        assert traj.rollout_logprobs[3:] == [-(i + 1) / 7 for i in range(50)]
+        assert store.find_by_response_id("chatcmpl-d")[0][0].id == traj.id
+    finally:
+        store.close()

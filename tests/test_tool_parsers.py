@@ -1,0 +1,119 @@
+"""Tool-call parsers: whole-text results, and streaming == whole-text for every way of chunking."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slime_server.api.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ToolCallParser,
+    get_tool_parser,
+)
+
+ARGS = '{"city":  "Paris", "days": [1, 2],"unit": "°C"}'  # odd spacing and non-ASCII on purpose
+ONE = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>'
+TWO = ONE + '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+
+
+def test_hermes_one_call_keeps_exact_argument_text() -> None:
+    r = HermesToolParser().parse(ONE)
+    assert r.content is None
+    assert [(c.name, c.arguments) for c in r.calls] == [("get_weather", ARGS)]
+    assert json.loads(r.calls[0].arguments) == {"city": "Paris", "days": [1, 2], "unit": "°C"}
+    assert r.calls[0].id.startswith("call_")
+
+
+def test_hermes_two_calls_with_leading_content() -> None:
+    r = HermesToolParser().parse("Let me check.\n" + TWO)
+    assert r.content == "Let me check."
+    assert [c.name for c in r.calls] == ["get_weather", "now"]
+    assert r.calls[1].arguments == "{}"
+    assert len({c.id for c in r.calls}) == 2
+
+
+@pytest.mark.parametrize("text", [
+    "no calls here",
+    "<tool_call>\n{not json}\n</tool_call>",
+    '<tool_call>\n{"name": "x", "arguments": {}}',  # unterminated
+    '<tool_call>\n["not", "an", "object"]\n</tool_call>',
+])
+def test_hermes_non_calls_stay_content(text: str) -> None:
+    r = HermesToolParser().parse(text)
+    assert r.calls == []
+    assert r.content == text
+
+
+def test_llama3_python_tag_and_bare_json() -> None:
+    p = Llama3JsonToolParser()
+    r = p.parse('<|python_tag|>{"name": "search", "parameters": {"q": "x"}}')
+    assert [(c.name, c.arguments) for c in r.calls] == [("search", '{"q": "x"}')]
+    r = p.parse('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": 1}}')
+    assert [(c.name, c.arguments) for c in r.calls] == [("a", "{}"), ("b", '{"k": 1}')]
+    assert p.parse("Hello {there}").calls == []
+    assert p.parse("Hello {there}").content == "Hello {there}"
+
+
+def test_registry() -> None:
+    assert isinstance(get_tool_parser("qwen"), HermesToolParser)
+    assert isinstance(get_tool_parser("llama3_json"), Llama3JsonToolParser)
+    with pytest.raises(KeyError, match="known"):
+        get_tool_parser("nope")
+
+
+def _stream(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """Consume the stream the way the OpenAI SDK accumulates deltas (by tool-call index)."""
+    s = parser.streaming()
+    content = ""
+    calls: dict[int, list[str]] = {}
+    deltas = [s.feed(p) for p in pieces] + [s.finish()]
+    for d in deltas:
+        content += d.content
+        for tc in d.tool_calls:
+            entry = calls.setdefault(tc.index, ["", ""])
+            if tc.id is not None:
+                assert tc.id.startswith("call_") and tc.type == "function"
+            entry[0] += tc.function.name or ""
+            entry[1] += tc.function.arguments or ""
+    return content, [(n, a) for _, (n, a) in sorted(calls.items())]
+
+
+def _chunks(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({min(c, len(text)) for c in cuts})
+    out, prev = [], 0
+    for p in points:
+        out.append(text[prev:p])
+        prev = p
+    return out + [text[prev:]]
+
+
+TEXTS = [ONE, TWO, "Let me check.\n" + TWO, "plain answer with <tool_ and <tool_call without end",
+         "a < b and <tool_call>\n{bad}\n</tool_call> tail", "  \n" + ONE + "\n  "]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.sampled_from(TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_hermes_streaming_equals_whole_text(text: str, cuts: list[int]) -> None:
+    p = HermesToolParser()
+    whole = p.parse(text)
+    content, calls = _stream(p, _chunks(text, cuts))
+    assert calls == [(c.name, c.arguments) for c in whole.calls]
+    assert (content or None) == whole.content
+
+
+LLAMA = ['<|python_tag|>{"name": "search", "parameters": {"q": "x"}}', '{"name": "a", "parameters": {}}',
+         "just text", " <|python"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.sampled_from(LLAMA), cuts=st.lists(st.integers(0, 80), max_size=8))
+def test_llama3_streaming_equals_whole_text(text: str, cuts: list[int]) -> None:
+    p = Llama3JsonToolParser()
+    whole = p.parse(text)
+    content, calls = _stream(p, _chunks(text, cuts))
+    assert calls == [(c.name, c.arguments) for c in whole.calls]
+    assert (content or None) == whole.content
