@@ -1,0 +1,193 @@
+"""A trainer rank: one process of the Megatron-core trainer (TP x DP over gloo on CPU, nccl on GPU).
+
+``TrainerRank`` is a plain class so it runs the same in a test process, under torchrun-style
+env vars, or as a Ray actor (``create_trainer_group`` starts ``world_size`` of them and points
+them at one rendezvous). Every collective method (``train_step``, ``compute_logprobs``,
+``save_checkpoint``, ``named_hf_tensors``) must be called on ALL ranks with the same arguments;
+``TrainerGroup`` does that for Ray and returns rank 0's answer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from slime_server.trainer.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from slime_server.trainer.optimizer import OptimizerBundle, OptimizerSettings, build_optimizer
+from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
+from slime_server.trainer.types import TrainSample
+
+
+class RendezvousInfo(BaseModel):
+    """torch.distributed rendezvous of one trainer group (torchrun's env vars, as a model)."""
+
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(gt=0, lt=65536)
+
+    def export(self) -> None:
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+
+
+class TrainerRankSettings(BaseModel):
+    """Everything one rank needs to build itself."""
+
+    hf_path: str
+    tp_size: int = Field(1, ge=1)
+    seed: int = 1234
+    bf16: bool = Field(False, description="bf16 params (GPU); fp32 on CPU")
+    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    train: TrainStepSettings = Field(default_factory=TrainStepSettings)
+    torch_threads: int = Field(1, ge=1)
+
+
+class TrainerRank:
+    """One trainer process. ``setup`` joins the group and loads the HF weights into Megatron."""
+
+    def __init__(self, settings: TrainerRankSettings, rendezvous: RendezvousInfo | None = None) -> None:
+        self.settings = settings
+        self.rendezvous = rendezvous
+        self.bundle: OptimizerBundle | None = None
+        self.step = 0
+        self.policy_version = 0
+
+    @staticmethod
+    def free_address() -> tuple[str, int]:
+        """This host's IP and a free port: rank 0 calls it so the group rendezvous works across nodes."""
+        import socket
+
+        from slime_server.utils.net import find_free_port
+
+        try:
+            import ray
+
+            ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        except ImportError:
+            ip = socket.gethostbyname(socket.gethostname())
+        return ip, find_free_port("0.0.0.0")
+
+    def setup(self, rendezvous: RendezvousInfo | None = None) -> dict[str, int]:
+        """Init torch.distributed + Megatron groups, build the model, load weights, build the optimizer."""
+        from transformers import AutoConfig
+
+        from slime_server.trainer.convert import load_hf_checkpoint_into
+        from slime_server.trainer.model import build_gpt_model
+        from slime_server.trainer.parallel import init_parallel
+
+        torch.set_num_threads(self.settings.torch_threads)
+        self.rendezvous = rendezvous or self.rendezvous
+        if self.rendezvous is not None:
+            self.rendezvous.export()
+        layout = init_parallel(tp_size=self.settings.tp_size, seed=self.settings.seed)
+        dtype = torch.bfloat16 if self.settings.bf16 else torch.float32
+        model = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        load_hf_checkpoint_into(model, self.settings.hf_path)
+        self.bundle = build_optimizer(model, self.settings.optimizer)
+        return {"rank": layout.rank, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank,
+                "tp_size": layout.tp_size, "dp_size": layout.dp_size}
+
+    def _ready(self) -> OptimizerBundle:
+        if self.bundle is None:
+            raise RuntimeError("TrainerRank.setup() has not been called")
+        return self.bundle
+
+    def train_step(
+        self, samples: Sequence[TrainSample], *, ref_logprobs: Sequence[torch.Tensor] | None = None,
+        old_logprobs: Sequence[torch.Tensor] | None = None, bump_version: bool = True,
+    ) -> dict[str, float]:
+        """One optimizer step on the global batch; the policy version advances when weights changed."""
+        metrics = train_step(self._ready(), samples, self.settings.train,
+                             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+        self.step += 1
+        if bump_version and not metrics["step_skipped"]:
+            self.policy_version += 1
+        metrics.update(step=float(self.step), policy_version=float(self.policy_version))
+        return metrics
+
+    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Per-sample token log-probs under the current weights (plain lists: cheap to ship over Ray)."""
+        lps = compute_logprobs(self._ready().model, samples, temperature=self.settings.train.temperature,
+                               max_tokens_per_micro_batch=self.settings.train.max_tokens_per_micro_batch)
+        return [lp.tolist() for lp in lps]
+
+    def save_checkpoint(self, path: str) -> str:
+        return str(save_checkpoint(path, self._ready(), step=self.step, policy_version=self.policy_version))
+
+    def load_checkpoint(self, path: str) -> dict[str, int]:
+        meta: CheckpointMeta = load_checkpoint(path, self._ready())
+        self.step, self.policy_version = meta.step, meta.policy_version
+        return {"step": self.step, "policy_version": self.policy_version}
+
+    def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors (TP shards all-gathered) for the bucketed weight push (collective)."""
+        from slime_server.trainer.convert import iter_hf_tensors
+
+        yield from iter_hf_tensors(self._ready().model)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """``named_hf_tensors`` materialised on CPU (for Ray callers and tests)."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.named_hf_tensors()}
+
+    def shutdown(self) -> None:
+        from slime_server.trainer.parallel import destroy_parallel
+
+        destroy_parallel()
+
+
+class TrainerGroup:
+    """``world_size`` TrainerRank Ray actors forming one TP x DP group; calls fan out to all ranks."""
+
+    def __init__(self, settings: TrainerRankSettings, world_size: int, *, num_cpus_per_rank: float = 1.0) -> None:
+        import ray
+
+        if world_size % settings.tp_size:
+            raise ValueError(f"world size {world_size} is not divisible by TP {settings.tp_size}")
+        remote_cls = ray.remote(num_cpus=num_cpus_per_rank)(TrainerRank)
+        self.world_size = world_size
+        self.actors = [remote_cls.remote(settings) for _ in range(world_size)]
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def setup(self) -> list[dict[str, int]]:
+        """Rendezvous at rank 0's node (its IP, a free port there), then set every rank up."""
+        import ray
+
+        ip, port = ray.get(self.actors[0].free_address.remote())
+        return ray.get([
+            a.setup.remote(RendezvousInfo(rank=r, world_size=self.world_size, master_addr=ip, master_port=port))
+            for r, a in enumerate(self.actors)
+        ])
+
+    def train_step(self, samples: Sequence[TrainSample], **kwargs: Any) -> dict[str, float]:
+        return self._all("train_step", list(samples), **kwargs)[0]
+
+    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        return self._all("compute_logprobs", list(samples))[0]
+
+    def save_checkpoint(self, path: str | Path) -> str:
+        return self._all("save_checkpoint", str(path))[0]
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, int]:
+        return self._all("load_checkpoint", str(path))[0]
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._all("hf_state_dict")[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        self._all("shutdown")
+        for a in self.actors:
+            ray.kill(a)

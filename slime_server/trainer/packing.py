@@ -1,0 +1,138 @@
+"""Cut a global batch of samples into token-budgeted, packed micro-batches with exact loss weights.
+
+A micro-batch is one row: the samples' tokens concatenated, position ids restarting at 0 for each
+sample, and ``cu_seqlens`` marking the boundaries (varlen attention). Its per-token loss weights are
+taken against the WHOLE batch passed in (not just the micro-batch or the ``subset`` packed here), so
+the micro-batch losses of all micro-batches, on all data-parallel ranks, sum to the global loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from slime_server.trainer.losses import Aggregation, loss_token_weights
+from slime_server.trainer.types import TrainSample
+
+
+@dataclass
+class MicroBatch:
+    """One packed row of samples. All per-token tensors have shape [T] (T = sum of sample_lens)."""
+
+    tokens: torch.Tensor  # long
+    position_ids: torch.Tensor  # long, 0..len-1 per sample
+    cu_seqlens: torch.Tensor  # int32 [n + 1]: sample k spans cu_seqlens[k]:cu_seqlens[k+1]
+    sample_indices: list[int]  # positions of the samples in the batch given to pack_samples
+    sample_lens: list[int]
+    loss_mask: torch.Tensor  # float32 0./1., multiplies directly
+    rollout_logprobs: torch.Tensor  # float32
+    advantages: torch.Tensor  # float32; 0 where the sample has no advantages (e.g. SFT, scoring)
+    # aggregation -> per-token weight against the global batch (see losses.loss_token_weights)
+    token_weights: dict[Aggregation, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.sample_lens, default=0)
+
+
+def _balanced_bins(lengths: Sequence[int], order: list[int], budget: int, n_bins: int) -> list[list[int]] | None:
+    """Longest-first to the least-loaded of ``n_bins`` bins; None when a bin would overflow."""
+    loads = [0] * n_bins
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    for i in order:
+        b = min(range(n_bins), key=lambda k: (loads[k], k))
+        if bins[b] and loads[b] + lengths[i] > budget:
+            return None
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return bins
+
+
+def partition_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped so each group's total length is <= ``max_tokens`` (a longer item is alone).
+
+    First-fit decreasing fixes how many groups are needed; with that many, a longest-first
+    least-loaded assignment evens the groups out when it fits (it usually does), because the
+    slowest micro-batch sets the step time. Groups keep ascending index order.
+    """
+    if max_tokens <= 0:
+        raise ValueError("max_tokens must be positive")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    ffd: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                ffd[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            ffd.append([i])
+            loads.append(lengths[i])
+    bins = _balanced_bins(lengths, order, max_tokens, len(ffd)) if ffd else []
+    chosen = bins if bins is not None else ffd
+    return sorted((sorted(b) for b in chosen), key=lambda b: b[0])
+
+
+def _pack(samples: Sequence[TrainSample], idx: list[int], weights: dict[Aggregation, list[torch.Tensor]]) -> MicroBatch:
+    picked = [samples[i] for i in idx]
+    lens = [len(s.tokens) for s in picked]
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
+    return MicroBatch(
+        tokens=torch.tensor([t for s in picked for t in s.tokens], dtype=torch.long),
+        position_ids=torch.cat([torch.arange(n, dtype=torch.long) for n in lens]),
+        cu_seqlens=cu, sample_indices=list(idx), sample_lens=lens,
+        loss_mask=torch.tensor([m for s in picked for m in s.loss_mask], dtype=torch.float32),
+        rollout_logprobs=torch.tensor([x for s in picked for x in s.rollout_logprobs], dtype=torch.float32),
+        advantages=torch.tensor([a for s in picked for a in (s.advantages or [0.0] * len(s.tokens))],
+                                dtype=torch.float32),
+        token_weights={agg: torch.cat([w[i] for i in idx]).to(torch.float32) for agg, w in weights.items()},
+    )
+
+
+def global_token_weights(samples: Sequence[TrainSample]) -> dict[Aggregation, list[torch.Tensor]]:
+    """Per-sample, per-token loss weights against the whole ``samples`` batch, for both aggregations."""
+    total_tokens = sum(s.num_loss_tokens for s in samples)
+    out: dict[Aggregation, list[torch.Tensor]] = {"token": [], "sequence": []}
+    for s in samples:
+        mask = torch.tensor(s.loss_mask, dtype=torch.float64)
+        out["token"].append(loss_token_weights(mask, [len(s.tokens)], "token", global_tokens=total_tokens))
+        out["sequence"].append(loss_token_weights(mask, [len(s.tokens)], "sequence", global_samples=len(samples)))
+    return out
+
+
+def pack_samples(
+    samples: Sequence[TrainSample], max_tokens_per_micro_batch: int, *, subset: Sequence[int] | None = None,
+) -> list[MicroBatch]:
+    """Packed micro-batches of ``samples[subset]`` (default: all), each <= the token budget.
+
+    Loss weights are normalised over ALL ``samples`` (the global batch), so pass the global batch
+    and this rank's ``subset`` under data parallelism. ``sample_indices`` index into ``samples``.
+    """
+    chosen = list(range(len(samples))) if subset is None else list(subset)
+    if any(not 0 <= i < len(samples) for i in chosen) or len(set(chosen)) != len(chosen):
+        raise ValueError("subset must hold distinct indices into samples")
+    weights = global_token_weights(samples)
+    groups = partition_by_tokens([len(samples[i].tokens) for i in chosen], max_tokens_per_micro_batch)
+    return [_pack(samples, [chosen[j] for j in g], weights) for g in groups]
+
+
+def split_packed(flat: torch.Tensor, sample_lens: Sequence[int]) -> list[torch.Tensor]:
+    """Per-sample pieces of a packed per-token tensor (views; first dimension is the token axis)."""
+    if flat.shape[0] != sum(sample_lens):
+        raise ValueError(f"tensor has {flat.shape[0]} tokens but sample_lens sum to {sum(sample_lens)}")
+    return list(flat.split(list(sample_lens)))
+
+
+def split_by_count(n_samples: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive index groups of at most ``micro_batch_size`` samples (the unpacked path)."""
+    if micro_batch_size <= 0:
+        raise ValueError("micro_batch_size must be positive")
+    return [list(range(i, min(i + micro_batch_size, n_samples))) for i in range(0, n_samples, micro_batch_size)]

@@ -1,0 +1,237 @@
+"""One RL / SFT optimizer step of a Megatron-core policy over a global batch of ``TrainSample``.
+
+Flow (every TP/DP rank runs it with the SAME global batch):
+  1. this DP rank takes its share of the samples (balanced by tokens);
+  2. ``pack_samples`` cuts the share into micro-batches of at most ``max_tokens_per_micro_batch``
+     tokens, each one packed row with position ids restarting per sample;
+  3. per micro-batch: Megatron forward -> per-token log-probs of the sampled tokens
+     (``logits / temperature``, vocab-parallel log-softmax, no logits gather) -> ``policy_loss``
+     -> backward. Loss normalisers are taken over the GLOBAL batch (all DP ranks), so the sum
+     of micro-batch losses is the global loss and packed == unpacked exactly;
+  4. ``optimizer_step``: Megatron's ``finalize_model_grads`` (DP all-reduce, TP all-reduce of
+     the Qwen3 q/k-norm grads), then clip, Adam, LR schedule.
+
+Log-prob alignment follows ``TrainSample``: position i holds log p(tokens[i] | tokens[:i]);
+position 0 of every sample is 0. Pipeline parallelism is not supported by this step (PP=1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, Field
+from torch import nn
+
+from slime_server.trainer.losses import LossConfig, policy_loss
+from slime_server.trainer.model import forward_logits
+from slime_server.trainer.optimizer import OptimizerBundle, optimizer_step, zero_grads
+from slime_server.trainer.packing import MicroBatch, pack_samples, split_packed
+from slime_server.trainer.types import TrainSample
+from slime_server.trainer.vocab_parallel import vocab_parallel_logprobs
+
+
+class TrainStepSettings(BaseModel):
+    """How a global batch is cut and scored (loss details live in ``LossConfig``)."""
+
+    max_tokens_per_micro_batch: int = Field(8192, gt=0)
+    temperature: float = Field(1.0, gt=0, description="the rollout sampling temperature")
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _dp() -> tuple[int, int, dist.ProcessGroup | None]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError("train_step supports pipeline parallel size 1 only")
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+
+
+def dp_shard(samples: Sequence[TrainSample], dp_rank: int, dp_size: int) -> list[int]:
+    """Indices of the samples DP rank ``dp_rank`` trains on: longest-first greedy token balance."""
+    loads = [0] * dp_size
+    owner: dict[int, int] = {}
+    for i in sorted(range(len(samples)), key=lambda i: (-len(samples[i].tokens), i)):
+        r = min(range(dp_size), key=lambda r: (loads[r], r))
+        owner[i] = r
+        loads[r] += len(samples[i].tokens)
+    return [i for i in range(len(samples)) if owner[i] == dp_rank]
+
+
+def packed_logprobs(
+    model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, *, temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) for one packed row ``tokens`` [T] with reset positions.
+
+    Entry i scores tokens[i] with the logits at i-1; entries where a sample starts
+    (``position_ids == 0``) are 0 because nothing in the row predicts them.
+    """
+    device = next(model.parameters()).device
+    tokens, position_ids = tokens.to(device), position_ids.to(device)
+    local_logits = forward_logits(model, tokens[None], position_ids[None], gather=False)[0]
+    lp_next, ent_next = vocab_parallel_logprobs(
+        local_logits[:-1], tokens[1:], vocab_size=_inner(model).arch.vocab_size,
+        temperature=temperature, with_entropy=with_entropy,
+    )
+    starts = position_ids == 0
+
+    def align(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.new_zeros(1), x]).masked_fill(starts, 0.0)
+
+    return align(lp_next), (align(ent_next) if ent_next is not None else None)
+
+
+@torch.no_grad()
+def compute_logprobs(
+    model: nn.Module, samples: Sequence[TrainSample], *, temperature: float = 1.0,
+    max_tokens_per_micro_batch: int = 8192,
+) -> list[torch.Tensor]:
+    """Log-probs [len(tokens)] per sample under ``model`` (old / reference policy), no grad.
+
+    Every TP rank of the group must call it (the vocab reductions are collectives); each rank
+    scores ALL samples (no DP split), so the result is complete on every rank.
+    """
+    was_training = model.training
+    model.eval()
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    try:
+        for mb in pack_samples(list(samples), max_tokens_per_micro_batch):
+            lp, _ = packed_logprobs(model, mb.tokens, mb.position_ids, temperature=temperature)
+            for idx, piece in zip(mb.sample_indices, split_packed(lp.cpu(), mb.sample_lens), strict=True):
+                out[idx] = piece
+    finally:
+        model.train(was_training)
+    return [t if t is not None else torch.zeros(0) for t in out]
+
+
+def _gather_rows(
+    values: Sequence[torch.Tensor] | None, mb: MicroBatch, device: torch.device | str = "cpu",
+) -> torch.Tensor | None:
+    """Concatenate per-sample tensors (e.g. old / reference log-probs) in the micro-batch's order."""
+    if values is None:
+        return None
+    rows = [torch.as_tensor(values[i], dtype=torch.float32) for i in mb.sample_indices]
+    for i, row, n in zip(mb.sample_indices, rows, mb.sample_lens, strict=True):
+        if row.shape != (n,):
+            raise ValueError(f"per-token log-probs of sample {i} have shape {tuple(row.shape)}, expected ({n},)")
+    return torch.cat(rows).to(device)
+
+
+class _MetricSums:
+    """Token-weighted sums of micro-batch metrics; max/min keys keep extremes."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weight = 0.0
+
+    def add(self, metrics: dict[str, float | torch.Tensor], weight: float) -> None:
+        self.weight += weight
+        for key, value in metrics.items():
+            v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+            if key.endswith("_max"):
+                self.sums[key] = max(self.sums.get(key, v), v)
+            elif key.endswith("_min"):
+                self.sums[key] = min(self.sums.get(key, v), v)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + v * weight
+
+    def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+        keys = sorted(self.sums)
+        if group is not None and dist.get_world_size(group) > 1:
+            # Every DP rank must contribute the same keys: losses emit a fixed metric set.
+            vals = torch.tensor([self.sums[k] for k in keys] + [self.weight], dtype=torch.float64)
+            maxes = vals.clone()
+            mins = vals.clone()
+            dist.all_reduce(vals, group=group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
+            total = float(vals[-1])
+            merged = {}
+            for j, k in enumerate(keys):
+                merged[k] = float(maxes[j]) if k.endswith("_max") else float(mins[j]) if k.endswith("_min") \
+                    else float(vals[j])
+            sums, weight = merged, total
+        else:
+            sums, weight = self.sums, self.weight
+        return {k: (v if k.endswith(("_max", "_min")) else v / max(weight, 1e-12)) for k, v in sums.items()}
+
+
+def forward_backward(
+    bundle: OptimizerBundle, samples: Sequence[TrainSample], settings: TrainStepSettings, *,
+    old_logprobs: Sequence[torch.Tensor] | None = None, ref_logprobs: Sequence[torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Accumulate the gradient of the GLOBAL-batch loss into the DDP grad buffer (no optimizer step).
+
+    Returns the loss, loss metrics averaged over the batch's masked tokens, and batch counts.
+    ``old_logprobs`` default to the current policy's own log-probs (detached): exact for the
+    usual one-optimizer-step-per-rollout-batch schedule, and it saves a forward pass.
+    ``ref_logprobs`` are needed when the loss has a KL term.
+    """
+    if not samples:
+        raise ValueError("a training step needs at least one sample")
+    cfg = settings.loss
+    dp_rank, dp_size, dp_group = _dp()
+    model = bundle.model
+    model.train()
+    if len(samples) < dp_size:
+        raise ValueError(f"global batch of {len(samples)} samples cannot feed {dp_size} data-parallel ranks")
+    mine = dp_shard(samples, dp_rank, dp_size)
+    micro_batches = pack_samples(list(samples), settings.max_tokens_per_micro_batch, subset=mine)
+    device = next(model.parameters()).device
+    sums = _MetricSums()
+    loss_total = torch.zeros((), dtype=torch.float64)
+    for mb in micro_batches:
+        # Entropy is always computed: it is a cheap by-product of the log-sum-exp and a key metric;
+        # it joins the graph only when the loss has an entropy bonus.
+        logprobs, entropy = packed_logprobs(
+            model, mb.tokens, mb.position_ids, temperature=settings.temperature, with_entropy=True,
+        )
+        if cfg.entropy_coef == 0.0 and entropy is not None:
+            entropy = entropy.detach()
+        old = _gather_rows(old_logprobs, mb, device)
+        loss, metrics = policy_loss(
+            cfg, logprobs=logprobs, old_logprobs=logprobs.detach() if old is None else old,
+            rollout_logprobs=mb.rollout_logprobs.to(device), advantages=mb.advantages.to(device),
+            loss_mask=mb.loss_mask.to(device), sample_lens=mb.sample_lens,
+            ref_logprobs=_gather_rows(ref_logprobs, mb, device), entropy=entropy,
+            token_weights={k: w.to(device) for k, w in mb.token_weights.items()},
+        )
+        # DDP averages grads over DP ranks; the global normaliser already divides by the whole
+        # batch, so undo the average to keep the summed (= global) gradient.
+        (loss * dp_size).backward()
+        loss_total += loss.detach().double()
+        sums.add(metrics, weight=float(mb.loss_mask.sum()))
+    if dp_group is not None and dp_size > 1:
+        dist.all_reduce(loss_total, group=dp_group)
+    out = sums.reduce(dp_group if dp_size > 1 else None)
+    out.update(
+        loss=float(loss_total), micro_batches=float(len(micro_batches)),
+        tokens=float(sum(len(s.tokens) for s in samples)),
+        loss_tokens=float(sum(sum(s.loss_mask) for s in samples)),
+    )
+    return out
+
+
+def train_step(
+    bundle: OptimizerBundle, samples: Sequence[TrainSample], settings: TrainStepSettings, *,
+    old_logprobs: Sequence[torch.Tensor] | None = None, ref_logprobs: Sequence[torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """One optimizer step on the global batch: ``forward_backward`` then clip + Adam + LR schedule.
+
+    Metrics add ``grad_norm`` (before clipping), ``lr`` (used by this step) and ``step_skipped``.
+    """
+    zero_grads(bundle)
+    metrics = forward_backward(bundle, samples, settings, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+    result = optimizer_step(bundle)
+    metrics.update(grad_norm=result.grad_norm, lr=result.lr, step_skipped=float(not result.updated))
+    return metrics

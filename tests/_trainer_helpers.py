@@ -1,0 +1,73 @@
+"""Shared helpers for the trainer tests: a deterministic RL batch and a launcher for worker ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_server.utils.net import find_free_port
+
+WORKER = Path(__file__).with_name("_trainer_worker.py")
+
+
+def make_batch(vocab_size: int, n: int = 6, seed: int = 0, min_len: int = 12, max_len: int = 40) -> list[Any]:
+    """``n`` samples of random length: a prompt (mask 0) then a response (mask 1) with advantages
+    of both signs and rollout log-probs near (but not equal to) a plausible value."""
+    from slime_server.trainer.types import TrainSample
+
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        length = rng.randint(min_len, max_len)
+        prompt = rng.randint(3, length // 2)
+        tokens = [rng.randrange(vocab_size) for _ in range(length)]
+        mask = [0] * prompt + [1] * (length - prompt)
+        adv = rng.uniform(-1.5, 1.5)
+        samples.append(TrainSample(
+            tokens=tokens, loss_mask=mask,
+            rollout_logprobs=[(-rng.uniform(2.0, 6.0) if m else 0.0) for m in mask],
+            reward=adv, group_id=f"g{i // 2}", weight_versions=[0 if m else -1 for m in mask],
+            advantages=[adv if m else 0.0 for m in mask], sample_id=f"s{i}",
+        ))
+    return samples
+
+
+def write_inputs(tmp: Path, settings: Any, samples: list[Any]) -> tuple[Path, Path]:
+    settings_path, batch_path = tmp / "settings.json", tmp / "batch.json"
+    settings_path.write_text(settings.model_dump_json())
+    batch_path.write_text(json.dumps([s.model_dump(mode="json") for s in samples]))
+    return settings_path, batch_path
+
+
+def run_ranks(world_size: int, args: list[str], timeout: float = 240.0) -> None:
+    """Run ``world_size`` copies of the worker as one torch.distributed group; fail on any error."""
+    port = find_free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed (rc={p.returncode}):\n{out[-4000:]}"
+
+
+def load_result(path: Path) -> dict[str, Any]:
+    return torch.load(path, weights_only=True)

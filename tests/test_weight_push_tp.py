@@ -1,0 +1,58 @@
+"""Weight push from a tensor-parallel trainer (two real Megatron processes) into a real engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _engine_helpers import hf_greedy, hf_logprobs
+from _weight_push_helpers import NEW_TOKENS, PROMPT, engine_processes, greedy, hf_reference, version_of
+
+from slime_server.utils.net import find_free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+WORKER = Path(__file__).with_name("_weight_push_worker.py")
+
+
+def test_tensor_parallel_ranks_only_tp0_sends(tiny_model_path: Path, tmp_path: Path):
+    """TP=2 in two real processes: both gather, only TP rank 0 sends, the engine gets the full tensors."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(tiny_model_path))
+    with engine_processes([tiny_model_path], tmp_path) as (url,):
+        results = run_ranks(tiny_model_path, url, tmp_path / "result")
+        assert [r["layout"]["tp_rank"] for r in results] == [0, 1]
+        assert [r["stats"]["sent"] for r in results] == [True, False]
+        assert results[0]["stats"]["tensors"] == results[1]["stats"]["tensors"] > 0
+        assert results[0]["stats"]["buckets"] > 1 and version_of(url) == "tp2"
+        ids, lps, _ = greedy(url)
+    ref = hf_reference(config, results[0]["exported"])
+    assert ids == hf_greedy(ref, PROMPT, NEW_TOKENS)
+    torch.testing.assert_close(torch.tensor(lps), torch.tensor(hf_logprobs(ref, PROMPT, ids, 0.0)),
+                               atol=1e-4, rtol=0)
+
+
+def run_ranks(hf_dir: Path, url: str, out: Path) -> list[dict]:
+    """The worker once per rank (gloo, torchrun-style env); each rank's saved result."""
+    port = str(find_free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(hf_dir), url, str(out), "2"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{log[-3000:]}"
+    return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(2)]

@@ -1,0 +1,157 @@
+"""Step time of the Megatron-core trainer vs plain Hugging Face + torch AdamW, side by side.
+
+Same checkpoint, same global batch, same packing into micro-batches, same GRPO loss
+(``losses.policy_loss``), Adam with the same hyper-parameters and grad clipping. Steps of the
+two trainers are interleaved so background load hits both alike; the median step time of each
+and their ratio (Megatron / HF; target <= 1.2) are printed, plus both first-step losses and
+gradient norms, which must agree because both start from the same weights (a correctness
+cross-check of the whole Megatron path against an independent implementation).
+
+    python tools/bench_trainer.py [--model HF_DIR] [--batch 8] [--seq-len 128] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def make_samples(vocab: int, batch: int, seq_len: int, seed: int) -> list[Any]:
+    from slime_server.trainer.types import TrainSample
+
+    rng = random.Random(seed)
+    prompt = seq_len // 4
+    out = []
+    for i in range(batch):
+        adv = rng.choice([-1.0, 1.0])
+        mask = [0] * prompt + [1] * (seq_len - prompt)
+        out.append(TrainSample(
+            tokens=[rng.randrange(vocab) for _ in range(seq_len)], loss_mask=mask,
+            rollout_logprobs=[-3.0 * m for m in mask], reward=adv, group_id=f"g{i // 2}",
+            weight_versions=[0 if m else -1 for m in mask], advantages=[adv * m for m in mask],
+            sample_id=str(i),
+        ))
+    return out
+
+
+StepFn = Callable[[list[Any]], tuple[float, float]]  # samples -> (loss, grad norm before clipping)
+
+
+def megatron_trainer(model_dir: str, args: argparse.Namespace, settings: Any) -> StepFn:
+    from transformers import AutoConfig
+
+    from slime_server.trainer.convert import load_hf_checkpoint_into
+    from slime_server.trainer.model import build_gpt_model
+    from slime_server.trainer.optimizer import OptimizerSettings, build_optimizer
+    from slime_server.trainer.parallel import init_parallel
+    from slime_server.trainer.train_step import train_step
+
+    init_parallel(tp_size=1)
+    model = build_gpt_model(AutoConfig.from_pretrained(model_dir))
+    load_hf_checkpoint_into(model, model_dir)
+    bundle = build_optimizer(model, OptimizerSettings(lr=args.lr, weight_decay=0.01, clip_grad=1.0))
+    def step(samples: list[Any]) -> tuple[float, float]:
+        metrics = train_step(bundle, samples, settings)
+        return metrics["loss"], metrics["grad_norm"]
+
+    return step
+
+
+def hf_trainer(model_dir: str, args: argparse.Namespace, settings: Any) -> StepFn:
+    from transformers import AutoModelForCausalLM
+
+    from slime_server.trainer.losses import policy_loss
+    from slime_server.trainer.model import build_attention_mask
+    from slime_server.trainer.packing import pack_samples
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
+
+    def step(samples: list[Any]) -> tuple[float, float]:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in pack_samples(samples, settings.max_tokens_per_micro_batch):
+            ids, pos = mb.tokens[None], mb.position_ids[None]
+            allowed = ~build_attention_mask(pos)  # HF 4-D bool mask: True = may attend
+            logits = model(input_ids=ids, position_ids=pos, attention_mask=allowed).logits[0]
+            logp = torch.log_softmax(logits[:-1].float() / settings.temperature, dim=-1)
+            lp = torch.cat([logp.new_zeros(1), logp.gather(-1, ids[0, 1:, None])[:, 0]])
+            lp = lp.masked_fill(mb.position_ids == 0, 0.0)
+            with torch.no_grad():  # the entropy metric, as the Megatron step reports it
+                ent = -(logp.exp() * logp).sum(-1)
+                ent = torch.cat([ent.new_zeros(1), ent]).masked_fill(mb.position_ids == 0, 0.0)
+            loss, _ = policy_loss(
+                settings.loss, logprobs=lp, old_logprobs=lp.detach(), rollout_logprobs=mb.rollout_logprobs,
+                advantages=mb.advantages, loss_mask=mb.loss_mask, sample_lens=mb.sample_lens,
+                entropy=ent, token_weights=mb.token_weights,
+            )
+            loss.backward()
+            total += loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return total, float(grad_norm)
+
+    return step
+
+
+def main() -> None:
+    from slime_server.models.tiny import ensure_tiny_model
+    from slime_server.trainer.losses import LossConfig
+    from slime_server.trainer.train_step import TrainStepSettings
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny model)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = str(args.model or ensure_tiny_model())
+
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    settings = TrainStepSettings(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                                 loss=LossConfig(loss_type="grpo"))
+    samples = make_samples(vocab, args.batch, args.seq_len, seed=0)
+    trainers = {"megatron": megatron_trainer(model_dir, args, settings), "hf": hf_trainer(model_dir, args, settings)}
+    times: dict[str, list[float]] = {k: [] for k in trainers}
+    first: dict[str, tuple[float, float]] = {}
+    for i in range(args.warmup + args.steps):
+        for name, step in trainers.items():
+            t0 = time.perf_counter()
+            loss_and_norm = step(samples)
+            dt = time.perf_counter() - t0
+            first.setdefault(name, loss_and_norm)
+            if i >= args.warmup:
+                times[name].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    report = {
+        "model": model_dir, "params_m": round(sum(p.numel() for p in _hf_params(model_dir)) / 1e6, 2),
+        "batch": args.batch, "seq_len": args.seq_len, "threads": args.threads,
+        "megatron_step_s": round(med["megatron"], 4), "hf_step_s": round(med["hf"], 4),
+        "ratio_megatron_over_hf": round(med["megatron"] / med["hf"], 3),
+        "first_loss": {k: v[0] for k, v in first.items()}, "first_grad_norm": {k: v[1] for k, v in first.items()},
+    }
+    print(json.dumps(report))
+
+
+def _hf_params(model_dir: str) -> list[torch.Tensor]:
+    from slime_server.trainer.convert import read_hf_state_dict
+
+    return list(read_hf_state_dict(model_dir).values())
+
+
+if __name__ == "__main__":
+    main()
