@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, str] = {
     "engines": "slime_server.cli:EnginesCommand",
     "serve": "slime_server.api.serve_cmd:ServeCommand",
     "demo": "slime_server.demo:DemoCommand",
+    "export": "slime_server.buffer.export:ExportCommand",
 }
 
 # flag -> (dotted settings path, type). Values left at None do not override env/YAML.

@@ -66,3 +66,17 @@ def test_parquet_when_available(filled, tmp_path: Path) -> None:
     assert export_parquet(store, tmp_path / "f.parquet") == 1
     table = pq.read_table(tmp_path / "f.parquet").to_pylist()
     assert table[0]["tokens"] == store.get_trajectories("done")[0].tokens
+
+
+def test_export_command_writes_jsonl_and_refuses_a_missing_store(filled, tmp_path: Path) -> None:
+    from slime_server.cli import main
+
+    out = tmp_path / "out.jsonl"
+    assert main(["export", "--db-path", str(tmp_path / "b.db"), "--output", str(out)]) == 0
+    rows = read_jsonl(out)
+    assert [r.metadata["session_id"] for r in rows] == ["done"] and rows[0].reward == 1.0
+    assert main(["export", "--db-path", str(tmp_path / "b.db"), "--status", "all", "-o", str(out)]) == 0
+    assert len(read_jsonl(out)) == 2
+    missing = tmp_path / "nope.db"
+    assert main(["export", "--db-path", str(missing), "-o", str(out)]) == 2
+    assert not missing.exists()

@@ -97,3 +97,40 @@ def export_parquet(store: TrajectoryStore, path: str | Path, status: TrajectoryS
     ])
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), str(path))
     return len(rows)
+
+
+class ExportCommand:
+    """``slime-server export``: finished (by default) trajectories of a store to JSONL or Parquet."""
+
+    help = "export trajectories from the trajectory store as slime samples (JSONL or Parquet)"
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--db-path", default=None, help="SQLite trajectory store (default: settings gateway.db_path)")
+        parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+        parser.add_argument("--output", "-o", default=None, help="file to write (default: trajectories.<format>)")
+        parser.add_argument("--status", choices=("finished", "open", "aborted", "all"), default="finished")
+        parser.add_argument("--rewarded-only", action="store_true", help="only trajectories that have a reward")
+
+    def run(self, args: Any, settings: Any) -> int:
+        import sys
+
+        from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+
+        db = Path(args.db_path or settings.gateway.db_path)
+        if not db.is_file():  # never create an empty store by mistake
+            print(f"error: no trajectory store at {db}", file=sys.stderr)
+            return 2
+        out = Path(args.output or f"trajectories.{args.format}")
+        status = None if args.status == "all" else args.status
+        store = SQLiteTrajectoryStore(str(db))
+        try:
+            fn = export_jsonl if args.format == "jsonl" else export_parquet
+            try:
+                n = fn(store, out, status, rewarded=True if args.rewarded_only else None)
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+        finally:
+            store.close()
+        print(f"exported {n} trajectories to {out}", flush=True)
+        return 0
