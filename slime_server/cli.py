@@ -47,6 +47,10 @@ SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--router-port": ("router.port", int),
     "--ray-address": ("ray.address", str),
     "--ray-num-cpus": ("ray.num_cpus", int),
+    "--trainer-num-ranks": ("trainer.num_ranks", int),
+    "--trainer-tp-size": ("trainer.tp_size", int),
+    "--trainer-work-dir": ("trainer.work_dir", str),
+    "--colocate": ("trainer.colocate", bool),
 }
 
 
@@ -58,6 +62,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML settings file (below env vars and flags in precedence)")
     group = parser.add_argument_group("settings (override SLIME_* env vars and --config)")
     for flag, (path, typ) in SETTINGS_FLAGS.items():
+        if typ is bool:  # a switch: absent leaves the setting alone, present sets it True
+            group.add_argument(flag, dest=_dest(flag), action="store_const", const=True, default=None,
+                               help=f"sets {path}")
+            continue
         group.add_argument(flag, dest=_dest(flag), type=typ, default=None, metavar=path.split(".")[-1].upper(),
                            help=f"sets {path}")
 

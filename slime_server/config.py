@@ -83,6 +83,7 @@ class GatewaySettings(_Section):
     port: int = Field(8000, ge=0, le=65535)
     served_model_name: str | None = Field(None, description="model id clients send; default: the model dir name")
     api_key: str | None = Field(None, description="if set, /v1 needs 'Authorization: Bearer <api_key>'")
+    admin_api_key: str | None = Field(None, description="if set, /jobs needs this key (else api_key is admin)")
     tool_parser: str = Field("hermes", description="hermes | qwen | llama3_json (see api/tool_parsers.py)")
     reasoning_parser: str | None = Field("qwen3", description="qwen3 | deepseek-r1 | glm45 | None")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
@@ -91,6 +92,21 @@ class GatewaySettings(_Section):
         False, description="SGLang engines do; the built-in CPU engine does not (requests then get a 400)")
     engine_timeout_s: float = Field(600.0, gt=0)
     db_path: str = Field("slime_server.db", description="SQLite trajectory store")
+
+
+class TrainerSettings(_Section):
+    """Megatron-core trainer ranks (Ray actors) that jobs train with, and where jobs keep their files."""
+
+    num_ranks: int = Field(1, ge=1, description="trainer processes (TP x DP)")
+    tp_size: int = Field(1, ge=1)
+    num_cpus_per_rank: float = Field(1.0, ge=0, description="Ray CPU resource per rank (0 when colocated)")
+    num_gpus_per_rank: float = Field(0.0, ge=0)
+    colocate: bool = Field(False, description="ranks share the engines' devices: generation pauses while "
+                           "a step trains and pushes (decoupled by default)")
+    torch_threads: int = Field(1, ge=1)
+    work_dir: str = Field("slime_server_jobs", description="checkpoints and TensorBoard runs, one dir per job")
+    megatron_args: dict[str, Any] = Field(
+        default_factory=dict, description="Megatron TransformerConfig overrides (from --megatron-key value flags)")
 
 
 class ServerSettings(BaseSettings):
@@ -104,6 +120,7 @@ class ServerSettings(BaseSettings):
     router: RouterSettings = Field(default_factory=RouterSettings)
     ray: RaySettings = Field(default_factory=RaySettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
 
     @classmethod
     def settings_customise_sources(
@@ -122,6 +139,7 @@ class ServerSettings(BaseSettings):
 PASSTHROUGH_PREFIXES: dict[str, tuple[str, str]] = {
     "--sglang-": ("engine", "sglang_args"),
     "--router-extra-": ("router", "extra_args"),
+    "--megatron-": ("trainer", "megatron_args"),
 }
 
 

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from slime_server.config import EngineSettings, ServerSettings
+from slime_server.config import EngineSettings, ServerSettings, TrainerSettings
 from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, log_path_for
 from slime_server.rollout.router import RouterProcess
 
@@ -49,7 +49,9 @@ def _init_ray(settings: ServerSettings) -> bool:
         ray.init(address=settings.ray.address, **common)
     else:
         eng = settings.engine
-        needed = math.ceil(eng.num_engines * eng.num_cpus_per_engine)
+        tr = settings.trainer
+        needed = math.ceil(eng.num_engines * eng.num_cpus_per_engine
+                           + (0 if tr.colocate else tr.num_ranks * tr.num_cpus_per_rank))
         num_cpus = settings.ray.num_cpus or max(os.cpu_count() or 1, needed, 1)
         ray.init(num_cpus=num_cpus, **common)
     for sig, handler in saved.items():
@@ -193,3 +195,29 @@ def _stop_actor(actor: Any) -> None:
         ray.kill(actor)
     except Exception:  # noqa: BLE001 - Ray itself may be gone (Ctrl-C reached its processes too)
         pass
+
+
+def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer: Any, loss: dict[str, Any],
+                        temperature: float = 1.0) -> Any:
+    """Megatron-core ranks for one job as Ray actors (TP x DP over gloo on CPU, nccl on GPU), set up.
+
+    Colocated ranks reserve no CPU of their own: they share the engines' share and the loop pauses
+    generation while they step and push.
+    """
+    from slime_server.trainer.actor import TrainerGroup, TrainerRankSettings
+    from slime_server.trainer.losses import LossConfig
+    from slime_server.trainer.train_step import TrainStepSettings
+
+    rank_settings = TrainerRankSettings(
+        hf_path=model_path, tp_size=trainer.tp_size, optimizer=optimizer, torch_threads=trainer.torch_threads,
+        train=TrainStepSettings(temperature=temperature, loss=LossConfig(**loss)),
+        megatron_args=trainer.megatron_args)
+    group = TrainerGroup(rank_settings, trainer.num_ranks,
+                         num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,
+                         num_gpus_per_rank=trainer.num_gpus_per_rank)
+    try:
+        group.setup()
+    except BaseException:
+        group.shutdown()
+        raise
+    return group

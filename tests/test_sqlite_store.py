@@ -159,6 +159,20 @@ def test_listing_filters_paging_and_consumption(store: SQLiteTrajectoryStore) ->
         5, 2, {"finished": 3, "open": 2}, 2)
 
 
+def test_release_puts_back_only_the_jobs_own_later_steps(store: SQLiteTrajectoryStore) -> None:
+    ids = []
+    for i in range(5):
+        store.create_session(f"r{i}")
+        ids.append(_write(store, _traj(f"r{i}", [-0.5], response_id=f"chatcmpl-r{i}"), close=True).id)
+    store.mark_consumed([ids[0]], 1, "job-a")
+    store.mark_consumed([ids[1]], 3, "job-a")
+    store.mark_consumed([ids[2]], -1, "job-a")  # dropped: stays out of the pool
+    store.mark_consumed([ids[3]], 5, "job-b")  # another job's step 5
+    assert store.release_consumed(2, "job-a") == 1
+    assert [store.get_trajectory(i).consumed_step for i in ids] == [1, None, -1, 5, None]
+    assert store.release_consumed(2, "job-a") == 0  # idempotent
+
+
 def test_schema_is_versioned_and_reopen_keeps_data(tmp_path: Path) -> None:
     path = tmp_path / "v.db"
     s = SQLiteTrajectoryStore(path)

@@ -12,11 +12,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from slime_server.api.auth import Principal, authenticate, bearer_token
 from slime_server.api.engine_client import EngineClient
-from slime_server.api.errors import BodySizeLimitMiddleware, install_error_handlers
+from slime_server.api.errors import APIError, BodySizeLimitMiddleware, install_error_handlers
 from slime_server.api.reasoning import ReasoningParser, get_reasoning_parser
 from slime_server.api.tool_parsers import ToolCallParser, get_tool_parser
 from slime_server.config import GatewaySettings
@@ -32,6 +32,7 @@ class Gateway:
     renderer: Any  # slime_server.api.chat_template.ChatRenderer
     sessions: Any  # slime_server.sessions.SessionManager
     store: Any  # slime_server.buffer.store.TrajectoryStore
+    jobs: Any = None  # slime_server.jobs.JobManager when a trainer is attached (serve); None: serving only
     tool_parser: ToolCallParser = field(init=False)
     reasoning: ReasoningParser | None = field(init=False)
 
@@ -43,6 +44,30 @@ class Gateway:
     def key_hash(self, session_id: str) -> str | None:
         session = self.store.get_session(session_id)
         return getattr(session, "key_hash", None) if session is not None else None
+
+
+    async def admit(self, session_id: str | None, metadata: dict[str, str] | None) -> None:
+        """Buffer pacing (ARCHITECTURE decision 7): 429 + Retry-After while a job's buffer is full.
+
+        Serve-only traffic is never paced: a request with ``metadata.serve_only = "true"`` or a
+        session opened with ``{"metadata": {"serve_only": true}}``.
+        """
+        if self.jobs is None or str((metadata or {}).get("serve_only", "")).lower() in ("true", "1", "yes"):
+            return
+        from starlette.concurrency import run_in_threadpool
+
+        retry = await run_in_threadpool(self.jobs.retry_after, False)
+        if retry is None or (session_id is not None and await run_in_threadpool(self._serve_only, session_id)):
+            return
+        raise APIError(429, "the trajectory buffer is full: the trainer is behind; retry later",
+                       code="buffer_full", headers={"Retry-After": str(max(1, round(retry)))})
+
+    def _serve_only(self, session_id: str) -> bool:
+        try:
+            session = self.store.get_session(session_id)
+        except LookupError:
+            return False
+        return bool(session.metadata.get("serve_only"))
 
 
 def get_gateway(request: Request) -> Gateway:
@@ -66,7 +91,7 @@ def _safe_key_hash(gw: Gateway):
 def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
                settings: GatewaySettings | None = None, model_name: str | None = None) -> FastAPI:
     """Build the gateway app over a router (or a single engine) speaking SGLang's ``/generate``."""
-    from slime_server.api import routes_openai, routes_sessions
+    from slime_server.api import routes_jobs, routes_openai, routes_sessions
 
     settings = settings or GatewaySettings()
     name = model_name or settings.served_model_name or "default"
@@ -85,9 +110,17 @@ def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(routes_openai.router)
     app.include_router(routes_sessions.router)
+    app.include_router(routes_jobs.router)
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        """Prometheus text format: serving (sessions, segment splits, admission) and training gauges."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app

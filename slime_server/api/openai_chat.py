@@ -193,6 +193,7 @@ class ChatTurn:
         """Resolve the session, get prompt ids, build the engine request."""
         req, gw = self.req, self.gw
         session_id = resolve_session(principal, header_session_id, req.metadata)
+        await gw.admit(session_id, req.metadata)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prefill_ids = gw.renderer.encode(self.prefill) if self.prefill else []

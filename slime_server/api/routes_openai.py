@@ -84,6 +84,7 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
         top_k=None, min_p=None, stop=req.stop, seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty)
     session_id = resolve_session(principal, x_session_id, req.metadata)
+    await gw.admit(session_id, req.metadata)
     prepared = await recording.prepare_raw(gw.store, session_id, prompt_ids, req.n)
     outs = await gw.engine.generate(prompt_ids, params, return_logprob=True, top_logprobs_num=req.logprobs or 0)
     completion = sum(len(o.output_ids) for o in outs)

@@ -50,29 +50,62 @@ class RunningServer:
     deployment: Any
     gateway: GatewayThread
     base_url: str
+    jobs: Any = None  # JobManager
 
     def stop(self) -> None:
         try:
             self.gateway.stop()
+            if self.jobs is not None:
+                self.jobs.shutdown()  # jobs stay active in the store: the next start resumes them
         finally:
             self.deployment.shutdown()
 
 
-def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir: str | Path | None) -> RunningServer:
-    """Engines + router under Ray, then the gateway in front of the router."""
+def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls: Any) -> Any:
+    """A JobManager over the gateway's store (jobs in the same SQLite file), restored from it."""
+    from slime_server.buffer.job_store import SQLiteJobStore
+    from slime_server.jobs import JobManager, JobSpec
+    from slime_server.launch import start_trainer_group
+
+    tr = settings.trainer
+
+    def make_trainer(spec: JobSpec) -> Any:
+        return start_trainer_group(model_path, tr, optimizer=spec.optimizer, loss=spec.loss_config())
+
+    def colocated(loop: Any) -> None:
+        if tr.colocate:  # the ranks share the engines' devices: never generate while they step
+            loop.settings = loop.settings.model_copy(update={"sync": True})
+
+    jobs = JobManager(gw.store, SQLiteJobStore(gw.settings.db_path), make_trainer, engine_urls, tr.work_dir,
+                      served_model=gw.model_name, loop_hook=colocated)
+    gw.jobs = jobs
+    restored = jobs.restore()
+    if restored:
+        print(f"resumed jobs: {' '.join(restored)}", flush=True)
+    return jobs
+
+
+def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir: str | Path | None,
+                 *, trainer: bool = True) -> RunningServer:
+    """Engines + router under Ray, the job manager (trainer ranks start per job), the gateway in front."""
     from slime_server.api.server import build_gateway
     from slime_server.launch import Deployment, resolve_model_path
 
     model_path = resolve_model_path(settings.engine.model)
     dep = Deployment.start(settings, log_dir=log_dir)
+    jobs = None
     try:
         print(f"router_url: {dep.router_url}", flush=True)
         app = build_gateway(dep.router_url, model_path, gw_settings)
+        if trainer:
+            jobs = attach_jobs(app.state.gw, settings, model_path, lambda: dep.engine_urls)
         gateway = GatewayThread(app, gw_settings.host, gw_settings.port).start()
     except BaseException:
+        if jobs is not None:
+            jobs.shutdown()
         dep.shutdown()
         raise
-    return RunningServer(dep, gateway, f"http://{gw_settings.host}:{gw_settings.port}/v1")
+    return RunningServer(dep, gateway, f"http://{gw_settings.host}:{gw_settings.port}/v1", jobs)
 
 
 class ServeCommand:
@@ -82,6 +115,8 @@ class ServeCommand:
         parser.add_argument("--host", default=None, help="gateway host (default: settings gateway.host)")
         parser.add_argument("--port", type=int, default=None, help="gateway port (default: settings gateway.port)")
         parser.add_argument("--api-key", default=None, help="protect /v1 with this Bearer key")
+        parser.add_argument("--admin-api-key", default=None, help="key for /jobs (default: --api-key)")
+        parser.add_argument("--no-trainer", action="store_true", help="serve and record only (no /jobs)")
         parser.add_argument("--db-path", default=None, help="SQLite trajectory store file")
         parser.add_argument("--log-dir", default=None, help="engine and router logs (default: a temp dir)")
 
@@ -89,11 +124,12 @@ class ServeCommand:
         from slime_server.cli import run_until_signal
 
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
-                                       ("db_path", args.db_path)) if v is not None}
+                                       ("admin_api_key", args.admin_api_key), ("db_path", args.db_path))
+                     if v is not None}
         gw_settings = settings.gateway.model_copy(update=overrides)
 
         def start() -> RunningServer:
-            running = start_server(settings, gw_settings, args.log_dir)
+            running = start_server(settings, gw_settings, args.log_dir, trainer=not args.no_trainer)
             print(f"openai_base_url: {running.base_url}", flush=True)
             return running
 

@@ -41,7 +41,7 @@ from slime_server.buffer.schema import (
     Turn,
     now,
 )
-from slime_server.buffer.store import TrajectoryStore, TurnWrite
+from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore, TurnWrite
 
 T = TypeVar("T")
 
@@ -111,6 +111,11 @@ MIGRATIONS: list[str] = [
         created_at REAL NOT NULL
     );
     CREATE INDEX feedback_response ON feedback (response_id);
+    """,
+    # 2: which training job consumed a trajectory, so a job that restarts from a checkpoint puts back
+    # only what *it* consumed after that checkpoint.
+    """
+    ALTER TABLE trajectories ADD COLUMN consumed_job TEXT;
     """,
 ]
 
@@ -396,14 +401,22 @@ class SQLiteTrajectoryStore(TrajectoryStore):
         rows = self._read(lambda c: c.execute(sql, args).fetchall())
         return [_traj_from_row(r) for r in rows]
 
-    def mark_consumed(self, trajectory_ids: list[str], train_step: int) -> int:
+    def mark_consumed(self, trajectory_ids: list[str], train_step: int, job_id: str | None = None) -> int:
         changed = 0
         with self._write() as conn:
             for tid in trajectory_ids:
-                cur = conn.execute("UPDATE trajectories SET consumed_step = ?, revision = revision + 1, "
-                                   "updated_at = ? WHERE id = ? AND consumed_step IS NULL", (train_step, now(), tid))
+                cur = conn.execute("UPDATE trajectories SET consumed_step = ?, consumed_job = ?, revision = revision + 1, "
+                                   "updated_at = ? WHERE id = ? AND consumed_step IS NULL",
+                                   (train_step, job_id, now(), tid))
                 changed += cur.rowcount
         return changed
+
+    def release_consumed(self, after_step: int, job_id: str | None = None) -> int:
+        with self._write() as conn:
+            cur = conn.execute("UPDATE trajectories SET consumed_step = NULL, consumed_job = NULL, "
+                               "revision = revision + 1, updated_at = ? "
+                               "WHERE consumed_step > ? AND consumed_job IS ?", (now(), max(after_step, DROPPED_STEP), job_id))
+            return cur.rowcount
 
     # ---------------------------------------------------------------- rewards and feedback
     def set_reward(self, session_id: str, *, reward: float | None = None,

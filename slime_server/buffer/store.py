@@ -25,6 +25,9 @@ class ResponseRef(BaseModel):
     trajectory_id: str
 
 
+DROPPED_STEP = -1
+
+
 class TurnWrite(BaseModel):
     """Everything one chat request changes, written in one transaction.
 
@@ -99,8 +102,20 @@ class TrajectoryStore(ABC):
             after = page[-1].id
 
     @abstractmethod
-    def mark_consumed(self, trajectory_ids: list[str], train_step: int) -> int:
-        """Record that the trainer used these at ``train_step``; returns how many were newly marked."""
+    def mark_consumed(self, trajectory_ids: list[str], train_step: int, job_id: str | None = None) -> int:
+        """Record that the trainer (of ``job_id``) used these at ``train_step``; returns how many were newly marked.
+
+        ``train_step`` ``DROPPED_STEP`` (-1) records a trajectory the trainer decided never to train on
+        (too stale, a zero-variance group): it leaves the pool but stays stored and exportable.
+        """
+
+    @abstractmethod
+    def release_consumed(self, after_step: int, job_id: str | None = None) -> int:
+        """Put back into the pool every trajectory that ``job_id`` consumed in a step ``> after_step``.
+
+        Why: a trainer that restarts from the checkpoint of ``after_step`` lost the steps after it;
+        their data must be trained on again, not silently skipped. Dropped ones stay dropped.
+        """
 
     # ---------------------------------------------------------------- rewards and feedback
     @abstractmethod

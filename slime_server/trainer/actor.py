@@ -46,6 +46,7 @@ class TrainerRankSettings(BaseModel):
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     train: TrainStepSettings = Field(default_factory=TrainStepSettings)
     torch_threads: int = Field(1, ge=1)
+    megatron_args: dict[str, Any] = Field(default_factory=dict, description="TransformerConfig overrides")
 
 
 class TrainerRank:
@@ -87,7 +88,8 @@ class TrainerRank:
             self.rendezvous.export()
         layout = init_parallel(tp_size=self.settings.tp_size, seed=self.settings.seed)
         dtype = torch.bfloat16 if self.settings.bf16 else torch.float32
-        model = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype)
+        model = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype,
+                                **self.settings.megatron_args)
         if torch.cuda.is_available():
             model = model.cuda()
         load_hf_checkpoint_into(model, self.settings.hf_path)
@@ -137,21 +139,43 @@ class TrainerRank:
         """``named_hf_tensors`` materialised on CPU (for Ray callers and tests)."""
         return {name: t.detach().to("cpu", copy=True) for name, t in self.named_hf_tensors()}
 
+    def push_weights(self, engine_urls: Sequence[str], version: int | str,
+                     bucket_bytes: int | None = None) -> dict[str, Any]:
+        """Bucketed push of the current weights to ``engine_urls`` as ``version`` (collective: every rank
+        joins the TP gathers, only the sender rank sends). The pusher and its buffers are kept while the
+        engine set and bucket size stay the same, so steady-state pushes reuse their shm buckets."""
+        from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher
+
+        key = (tuple(engine_urls), bucket_bytes or DEFAULT_BUCKET_BYTES)
+        if getattr(self, "_pusher_key", None) != key:
+            if getattr(self, "_pusher", None) is not None:
+                self._pusher.close()
+            self._pusher = WeightPusher(list(engine_urls), bucket_bytes=key[1])
+            self._pusher_key = key
+        return self._pusher.push(self.named_hf_tensors(), version=version).model_dump()
+
+    def pid(self) -> int:
+        return os.getpid()
+
     def shutdown(self) -> None:
         from slime_server.trainer.parallel import destroy_parallel
 
+        if getattr(self, "_pusher", None) is not None:
+            self._pusher.close()
+            self._pusher = None
         destroy_parallel()
 
 
 class TrainerGroup:
     """``world_size`` TrainerRank Ray actors forming one TP x DP group; calls fan out to all ranks."""
 
-    def __init__(self, settings: TrainerRankSettings, world_size: int, *, num_cpus_per_rank: float = 1.0) -> None:
+    def __init__(self, settings: TrainerRankSettings, world_size: int, *, num_cpus_per_rank: float = 1.0,
+                 num_gpus_per_rank: float = 0.0) -> None:
         import ray
 
         if world_size % settings.tp_size:
             raise ValueError(f"world size {world_size} is not divisible by TP {settings.tp_size}")
-        remote_cls = ray.remote(num_cpus=num_cpus_per_rank)(TrainerRank)
+        remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)(TrainerRank)
         self.world_size = world_size
         self.actors = [remote_cls.remote(settings) for _ in range(world_size)]
 
@@ -185,9 +209,22 @@ class TrainerGroup:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state_dict")[0]
 
-    def shutdown(self) -> None:
+    def push_weights(self, engine_urls: Sequence[str], version: int | str,
+                     bucket_bytes: int | None = None) -> dict[str, Any]:
+        """The sender rank's push stats (raises the sender's ``WeightPushError``)."""
+        return next(r for r in self._all("push_weights", list(engine_urls), version, bucket_bytes) if r["sent"])
+
+    def pids(self) -> list[int]:
+        """OS pids of the rank processes (for health checks and fault tests)."""
         import ray
 
-        self._all("shutdown")
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop every rank; a rank that is already dead (killed, crashed) is only reaped."""
+        import ray
+
+        refs = [a.shutdown.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
         for a in self.actors:
             ray.kill(a)

@@ -1,0 +1,139 @@
+"""Jobs REST: create, inspect, pause/resume/cancel, metrics, events (SSE) and checkpoints.
+
+Every route needs the admin key: ``gateway.admin_api_key`` when set, else the server key (a
+per-session key is never enough). Errors are OpenAI-shaped like the rest of the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from slime_server.api.app import Gateway, get_gateway, get_principal
+from slime_server.api.auth import bearer_token
+from slime_server.api.errors import APIError
+from slime_server.api.protocol import ErrorResponse
+from slime_server.buffer.job_store import EventRow, MetricsRow
+from slime_server.jobs import JobError, JobManager, JobSpec, JobView
+
+router = APIRouter(prefix="/jobs", tags=["jobs"],
+                   responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 503)})
+
+
+def get_jobs(request: Request) -> JobManager:
+    gw: Gateway = get_gateway(request)
+    if gw.jobs is None:
+        raise APIError(503, "this server runs without a trainer (serve --no-trainer)", code="no_trainer")
+    return gw.jobs
+
+
+def require_admin(request: Request) -> None:
+    gw: Gateway = get_gateway(request)
+    admin_key = gw.settings.admin_api_key
+    if admin_key is None:
+        get_principal(request).require_admin()
+        return
+    token = bearer_token(request)
+    if token is None:
+        raise APIError(401, "missing admin key (Authorization: Bearer ...)", code="invalid_api_key")
+    if not hmac.compare_digest(token, admin_key):
+        raise APIError(403, "jobs need the admin key", code="admin_required")
+
+
+Jobs = Annotated[JobManager, Depends(get_jobs)]
+Admin = Depends(require_admin)
+
+
+async def _call(fn, *args: Any) -> Any:
+    try:
+        return await run_in_threadpool(fn, *args)
+    except JobError as e:
+        raise APIError(e.status_code, str(e), code=e.code) from e
+
+
+@router.post("", response_model=JobView, dependencies=[Admin])
+async def create_job(spec: JobSpec, jobs: Jobs) -> JobView:
+    return await _call(jobs.create, spec)
+
+
+@router.get("", dependencies=[Admin])
+async def list_jobs(jobs: Jobs) -> dict[str, Any]:
+    return {"object": "list", "data": [j.model_dump() for j in await _call(jobs.list)]}
+
+
+@router.get("/{job_id}", response_model=JobView, dependencies=[Admin])
+async def get_job(job_id: str, jobs: Jobs) -> JobView:
+    return await _call(jobs.get, job_id)
+
+
+@router.post("/{job_id}/pause", response_model=JobView, dependencies=[Admin])
+async def pause_job(job_id: str, jobs: Jobs) -> JobView:
+    return await _call(jobs.pause, job_id)
+
+
+@router.post("/{job_id}/resume", response_model=JobView, dependencies=[Admin])
+async def resume_job(job_id: str, jobs: Jobs) -> JobView:
+    return await _call(jobs.resume, job_id)
+
+
+@router.post("/{job_id}/cancel", response_model=JobView, dependencies=[Admin])
+async def cancel_job(job_id: str, jobs: Jobs) -> JobView:
+    return await _call(jobs.cancel, job_id)
+
+
+@router.get("/{job_id}/metrics", response_model=list[MetricsRow], dependencies=[Admin])
+async def job_metrics(job_id: str, jobs: Jobs, since_step: Annotated[int, Query(ge=0)] = 0) -> list[MetricsRow]:
+    return await _call(jobs.metrics, job_id, since_step)
+
+
+@router.post("/{job_id}/checkpoints", dependencies=[Admin])
+async def create_checkpoint(job_id: str, jobs: Jobs) -> dict[str, Any]:
+    return await _call(jobs.request_checkpoint, job_id)
+
+
+@router.get("/{job_id}/checkpoints", dependencies=[Admin])
+async def list_checkpoints(job_id: str, jobs: Jobs) -> dict[str, Any]:
+    return {"object": "list", "data": await _call(jobs.checkpoints, job_id)}
+
+
+@router.get("/{job_id}/events", dependencies=[Admin], responses={200: {"content": {"text/event-stream": {}}}})
+async def job_events(job_id: str, jobs: Jobs, request: Request,
+                     after: Annotated[int, Query(ge=0, description="replay events after this seq")] = 0,
+                     follow: bool = True) -> StreamingResponse:
+    """Server-sent events: the stored history after ``after``, then live events while ``follow``."""
+    history: list[EventRow] = await _call(jobs.events, job_id, after)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[EventRow] = asyncio.Queue()
+    unsubscribe = jobs.subscribe(
+        lambda jid, ev: loop.call_soon_threadsafe(queue.put_nowait, ev) if jid == job_id else None)
+
+    def frame(ev: EventRow) -> str:
+        return f"id: {ev.seq}\nevent: {ev.kind}\ndata: {json.dumps(ev.model_dump(), default=str)}\n\n"
+
+    async def stream():
+        try:
+            last = after
+            for ev in history:
+                last = ev.seq
+                yield frame(ev)
+            while follow and not await request.is_disconnected():
+                try:
+                    ev = await asyncio.wait_for(queue.get(), timeout=15)
+                except TimeoutError:
+                    yield ": keep-alive\n\n"
+                    continue
+                if ev.seq > last:
+                    last = ev.seq
+                    yield frame(ev)
+                    if ev.kind in ("completed", "failed", "cancelled"):
+                        return
+        finally:
+            unsubscribe()
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,366 @@
+"""Training jobs: what a job is (``JobSpec``), its state machine, and the manager that runs them.
+
+    queued -> running <-> paused
+                 |          |
+                 v          v
+     completed / failed / cancelled        (terminal; the data stays in the buffer)
+
+A job trains the served policy on finished, rewarded trajectories (``data.source = "live"``: any
+traffic through ``/v1`` whose session got a reward). It runs ``trainer/loop.py`` in a thread of
+the control plane; the Megatron ranks are Ray actors built by ``make_trainer``. Everything a
+restart needs (spec, status, loop state with its checkpoints) is written to the job store after
+every step, so ``JobManager.restore`` picks running jobs up where their last checkpoint left them.
+
+Only one job trains at a time: there is one served policy, and two jobs pushing weights into the
+same engines would fight. A second active job is refused (409).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from slime_server.buffer.job_store import EventRow, JobRow, MetricsRow, SQLiteJobStore
+from slime_server.buffer.store import TrajectoryStore
+from slime_server.trainer.advantages import AdvantageConfig, Estimator
+from slime_server.trainer.loop import EngineControl, LoopSettings, LoopState, Trainer, TrainLoop
+from slime_server.trainer.losses import LossConfig
+from slime_server.trainer.optimizer import OptimizerSettings
+
+log = logging.getLogger(__name__)
+
+JobStatus = Literal["queued", "running", "paused", "completed", "failed", "cancelled"]
+ACTIVE: frozenset[str] = frozenset({"queued", "running", "paused"})
+Algorithm = Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+
+JOB_STEP = Gauge("slime_job_step", "optimizer steps taken", ["job"])
+JOB_VERSION = Gauge("slime_job_policy_version", "policy version of the job's trainer", ["job"])
+JOB_METRIC = Gauge("slime_job_metric", "last value of a training metric", ["job", "name"])
+JOB_DROPPED = Counter("slime_job_dropped_trajectories_total", "trajectories never trained on", ["job", "reason"])
+ADMISSION_REJECTED = Counter("slime_admission_rejected_total", "requests answered 429 by buffer pacing")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataSpec(_Strict):
+    source: Literal["live", "dataset"] = "live"
+    dataset: str | None = Field(None, description="dataset path (source=dataset)")
+    environment: str | None = Field(None, description="environment name (source=dataset)")
+
+
+class PacingSpec(_Strict):
+    max_buffered: int = Field(256, ge=1, description="unconsumed rewarded trajectories before /v1 answers 429")
+    retry_after_s: float = Field(2.0, gt=0)
+
+
+class JobSpec(_Strict):
+    """``POST /jobs`` body."""
+
+    name: str | None = Field(None, max_length=200)
+    base_model: str | None = Field(None, description="must be the served model (a live job trains it)")
+    algorithm: Algorithm = "reinforce_plus_plus"
+    data: DataSpec = Field(default_factory=DataSpec)
+    loop: LoopSettings = Field(default_factory=LoopSettings)
+    loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (eps_clip, kl_coef, ...)")
+    optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))
+    pacing: PacingSpec = Field(default_factory=PacingSpec)
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSpec:
+        if self.data.source == "dataset":
+            raise ValueError("data.source 'dataset' needs a built-in environment; none is installed in this "
+                             "version — use 'live' and drive episodes through /v1")
+        LossConfig(**self.loss_config())  # fail at submit time, not in the trainer
+        return self
+
+    def estimator(self) -> Estimator:
+        return "grpo" if self.algorithm == "ppo" else self.algorithm
+
+    def loss_config(self) -> dict[str, Any]:
+        return {"loss_type": self.algorithm if self.algorithm != "dr_grpo" else "grpo", **self.loss}
+
+    def loop_settings(self) -> LoopSettings:
+        adv = self.loop.advantage.model_copy(update={"estimator": self.estimator()})
+        return self.loop.model_copy(update={"advantage": AdvantageConfig.model_validate(adv.model_dump())})
+
+
+class JobView(BaseModel):
+    """``GET /jobs/{id}``."""
+
+    id: str
+    object: Literal["job"] = "job"
+    name: str | None
+    status: str
+    spec: dict[str, Any]
+    step: int
+    policy_version: int
+    checkpoints: list[dict[str, Any]]
+    dropped_stale: int
+    dropped_zero_variance: int
+    downweighted: int
+    restarts: int
+    error: str | None
+    created_at: float
+    updated_at: float
+
+
+class JobError(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status_code, self.code = status, code
+
+
+def view(row: JobRow) -> JobView:
+    st = LoopState.model_validate(row.state)
+    return JobView(id=row.id, name=row.spec.get("name"), status=row.status, spec=row.spec, step=st.step,
+                   policy_version=st.version, checkpoints=[c.model_dump() for c in st.checkpoints],
+                   dropped_stale=st.dropped_stale, dropped_zero_variance=st.dropped_zero_variance,
+                   downweighted=st.downweighted, restarts=st.restarts, error=row.error,
+                   created_at=row.created_at, updated_at=row.updated_at)
+
+
+MakeTrainer = Callable[[JobSpec], Trainer]
+
+
+class _Running:
+    def __init__(self, loop: TrainLoop, thread: threading.Thread, tb: Any) -> None:
+        self.loop, self.thread, self.tb = loop, thread, tb
+
+
+class JobManager:
+    """Creates, controls, persists and restores jobs; answers the gateway's pacing question."""
+
+    def __init__(self, store: TrajectoryStore, jobs: SQLiteJobStore, make_trainer: MakeTrainer,
+                 engine_urls: Callable[[], list[str]], work_dir: str | Path, *, served_model: str | None = None,
+                 loop_hook: Callable[[TrainLoop], None] | None = None) -> None:
+        self.store = store
+        self.jobs = jobs
+        self.make_trainer = make_trainer
+        self.engine_urls = engine_urls
+        self.work_dir = Path(work_dir)
+        self.served_model = served_model
+        self.loop_hook = loop_hook or (lambda loop: None)
+        self._running: dict[str, _Running] = {}
+        self._lock = threading.RLock()
+        self._subscribers: list[Callable[[str, EventRow], None]] = []
+        self._buffered_cache: tuple[float, int] = (0.0, 0)
+
+    # ---------------------------------------------------------------- REST operations
+    def create(self, spec: JobSpec) -> JobView:
+        if spec.base_model is not None and self.served_model is not None and spec.base_model != self.served_model:
+            raise JobError(400, f"base_model {spec.base_model!r} is not the served model {self.served_model!r}; "
+                           "a live job trains the policy the engines serve", "invalid_value")
+        with self._lock:
+            active = [r.id for r in self.jobs.list_jobs() if r.status in ACTIVE]
+            if active:
+                raise JobError(409, f"job {active[0]} is still active; cancel it first (one policy, one trainer)",
+                               "job_active")
+            job_id = f"job-{uuid.uuid4().hex[:16]}"
+            row = self.jobs.insert_job(job_id, spec.model_dump(mode="json"), "queued", LoopState().model_dump())
+            self._event(job_id, "created", {"spec": row.spec})
+            self._launch(row)
+        return self.get(job_id)
+
+    def get(self, job_id: str) -> JobView:
+        return view(self._row(job_id))
+
+    def list(self) -> list[JobView]:
+        return [view(r) for r in self.jobs.list_jobs()]
+
+    def pause(self, job_id: str) -> JobView:
+        return self._transition(job_id, {"running": "paused", "queued": "paused"}, "pause",
+                                lambda run: run.loop.paused.set())
+
+    def resume(self, job_id: str) -> JobView:
+        return self._transition(job_id, {"paused": "running"}, "resume", lambda run: run.loop.paused.clear())
+
+    def cancel(self, job_id: str) -> JobView:
+        return self._transition(job_id, {s: "cancelled" for s in ACTIVE}, "cancel", lambda run: run.loop.stop.set())
+
+    def metrics(self, job_id: str, since_step: int = 0) -> list[MetricsRow]:
+        self._row(job_id)
+        return self.jobs.metrics(job_id, since_step)
+
+    def events(self, job_id: str, after_seq: int = 0) -> list[EventRow]:
+        self._row(job_id)
+        return self.jobs.events(job_id, after_seq)
+
+    def request_checkpoint(self, job_id: str, timeout: float = 300.0) -> dict[str, Any]:
+        """Checkpoint between two steps (the loop's thread owns the trainer); waits for it."""
+        row = self._row(job_id)
+        run = self._running.get(job_id)
+        if run is None or row.status not in ("running", "paused"):
+            raise JobError(409, f"job {job_id} is {row.status}: nothing to checkpoint", "job_not_running")
+        before = len(run.loop.state.checkpoints)
+        run.loop.checkpoint_requested.set()
+        with run.loop.checkpoint_done:
+            if not run.loop.checkpoint_done.wait_for(lambda: len(run.loop.state.checkpoints) > before, timeout):
+                raise JobError(503, "the checkpoint did not finish in time", "checkpoint_timeout")
+        return run.loop.state.checkpoints[-1].model_dump()
+
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        return self.get(job_id).checkpoints
+
+    # ---------------------------------------------------------------- pacing
+    def retry_after(self, serve_only: bool) -> float | None:
+        """Seconds a *training* request should wait (None: admit). Serve-only traffic is never paced."""
+        if serve_only:
+            return None
+        with self._lock:
+            runs = [(jid, r) for jid, r in self._running.items() if not r.loop.stop.is_set()]
+        if not runs:
+            return None
+        spec = JobSpec.model_validate(self._row(runs[0][0]).spec)
+        t, n = self._buffered_cache
+        if time.monotonic() - t > 0.5:
+            n = self.store.stats().unconsumed_finished_rewarded
+            self._buffered_cache = (time.monotonic(), n)
+        if n >= spec.pacing.max_buffered:
+            ADMISSION_REJECTED.inc()
+            return spec.pacing.retry_after_s
+        return None
+
+    # ---------------------------------------------------------------- lifecycle
+    def restore(self) -> list[str]:
+        """Start again every job that was active when the server stopped (from its last checkpoint)."""
+        restored = []
+        for row in self.jobs.list_jobs():
+            if row.status in ACTIVE:
+                self._event(row.id, "restored", {"status": row.status})
+                self._launch(row)
+                restored.append(row.id)
+        return restored
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop the loops (jobs stay active in the store, so a restart resumes them)."""
+        with self._lock:
+            runs = list(self._running.items())
+        for _, run in runs:
+            run.loop.stop.set()
+        for _, run in runs:
+            run.thread.join(timeout)
+
+    def subscribe(self, fn: Callable[[str, EventRow], None]) -> Callable[[], None]:
+        self._subscribers.append(fn)
+        return lambda: self._subscribers.remove(fn)
+
+    # ---------------------------------------------------------------- internals
+    def _row(self, job_id: str) -> JobRow:
+        row = self.jobs.get_job(job_id)
+        if row is None:
+            raise JobError(404, f"unknown job '{job_id}'", "job_not_found")
+        return row
+
+    def _event(self, job_id: str, kind: str, data: dict[str, Any]) -> None:
+        ev = self.jobs.add_event(job_id, kind, data)
+        for fn in list(self._subscribers):
+            try:
+                fn(job_id, ev)
+            except Exception:  # noqa: BLE001 - a broken listener must not break the job
+                log.exception("event subscriber failed")
+
+    def _transition(self, job_id: str, allowed: dict[str, str], verb: str, act: Callable[[_Running], None]) -> JobView:
+        with self._lock:
+            row = self._row(job_id)
+            target = allowed.get(row.status)
+            if target is None:
+                raise JobError(409, f"job {job_id} is {row.status}; cannot {verb} it", "invalid_job_state")
+            self.jobs.update_job(job_id, status=target)
+            run = self._running.get(job_id)
+            if run is not None:
+                act(run)
+            self._event(job_id, target if verb != "resume" else "resumed", {"status": target})
+        if target == "cancelled" and run is not None:
+            run.thread.join(timeout=120)
+        return self.get(job_id)
+
+    def _launch(self, row: JobRow) -> None:
+        spec = JobSpec.model_validate(row.spec)
+        job_dir = self.work_dir / row.id
+        job_dir.mkdir(parents=True, exist_ok=True)
+        tb = _tensorboard(job_dir / "tb")
+        engines = EngineControl(self.engine_urls)
+
+        def on_step(state: LoopState, metrics: dict[str, float]) -> None:
+            self.jobs.update_job(row.id, state=state.model_dump())
+            self.jobs.add_metrics(row.id, state.step, metrics)
+            JOB_STEP.labels(row.id).set(state.step)
+            JOB_VERSION.labels(row.id).set(state.version)
+            for name in ("loss", "reward_mean", "kl", "clip_frac", "staleness_mean", "tokens_per_s", "grad_norm"):
+                if name in metrics:
+                    JOB_METRIC.labels(row.id, name).set(metrics[name])
+            if tb is not None:
+                for name, value in metrics.items():
+                    tb.add_scalar(name, value, state.step)
+                tb.flush()
+            self._event(row.id, "step", {"step": state.step, "version": state.version,
+                                         **{k: metrics[k] for k in ("loss", "reward_mean") if k in metrics}})
+
+        def on_event(kind: str, data: dict[str, Any]) -> None:
+            if kind in ("checkpoint", "dropped", "resumed", "trainer_ready"):
+                self.jobs.update_job(row.id, state=loop.state.model_dump())
+            self._event(row.id, kind, data)
+
+        loop = TrainLoop(self.store, lambda: self.make_trainer(spec), engines, spec.loop_settings(),
+                         job_dir / "checkpoints", state=LoopState.model_validate(row.state), on_step=on_step,
+                         on_event=on_event, job_id=row.id)
+        if row.status == "paused":
+            loop.paused.set()
+        self.loop_hook(loop)
+        run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb)
+        with self._lock:
+            self._running[row.id] = run
+        run.thread.start()
+
+    def _run(self, job_id: str) -> None:
+        run = self._running[job_id]
+        loop = run.loop
+        dropped = (loop.state.dropped_stale, loop.state.dropped_zero_variance)
+        try:
+            if self._row(job_id).status == "queued":
+                self.jobs.update_job(job_id, status="running")
+                self._event(job_id, "started", {})
+            loop.run()
+            final = self._row(job_id).status
+            if final in ("running", "paused") and not loop.stop.is_set():  # max_steps reached
+                loop.checkpoint()
+                self.jobs.update_job(job_id, status="completed", state=loop.state.model_dump())
+                self._event(job_id, "completed", {"step": loop.state.step})
+            else:
+                self.jobs.update_job(job_id, state=loop.state.model_dump())
+        except Exception as e:  # noqa: BLE001 - recorded on the job, never lost in a thread
+            log.exception("job %s failed", job_id)
+            self.jobs.update_job(job_id, status="failed", state=loop.state.model_dump(), error=repr(e)[:2000])
+            self._event(job_id, "failed", {"error": repr(e)[:2000]})
+        finally:
+            JOB_DROPPED.labels(job_id, "stale").inc(loop.state.dropped_stale - dropped[0])
+            JOB_DROPPED.labels(job_id, "zero_variance").inc(loop.state.dropped_zero_variance - dropped[1])
+            try:
+                loop.close()
+            except Exception:  # noqa: BLE001
+                log.exception("job %s: trainer shutdown failed", job_id)
+            loop.engines.close()
+            if run.tb is not None:
+                run.tb.close()
+            with self._lock:
+                self._running.pop(job_id, None)
+
+
+def _tensorboard(path: Path) -> Any:
+    """A TensorBoard event-file writer (tensorboardX), or None if it is not installed."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        log.warning("tensorboardX is not installed: no TensorBoard event files")
+        return None
+    return SummaryWriter(str(path))

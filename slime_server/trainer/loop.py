@@ -1,0 +1,365 @@
+"""The training algorithm in one file (slime's ``train_async.py``, for live agent traffic).
+
+    while the job runs:
+        batch   = finished, rewarded, unconsumed trajectories from the buffer, whole groups only,
+                  within ``max_staleness`` policy versions (stale ones dropped / down-weighted / kept)
+        samples = advantages(batch)                       # GRPO, REINFORCE++, ... (trainer/advantages.py)
+        metrics = trainer.train_step(samples)             # Megatron-core ranks (Ray actors)
+        buffer.mark_consumed(batch, step)
+        version += 1
+        every ``update_weights_interval`` steps: bucketed push of the new weights to every engine
+        every ``checkpoint_interval`` steps:     checkpoint (model, optimizer, step, version)
+
+Asynchronous by default: the gateway keeps serving (and recording with the old version) while a
+step trains and while the weights stream in; the recorded per-token versions make the staleness of
+every sample exact. ``sync=True`` pauses generation on the engines for the train + push window, so
+rollout and training alternate (the baseline ``tools/bench_async.py`` compares against).
+
+Fault handling: a trainer rank that dies (kill -9, OOM) raises out of ``train_step``; ``recover``
+rebuilds the ranks, reloads the last checkpoint, puts the data consumed after it back in the pool
+(nothing acknowledged is lost) and pushes the restored weights under a NEW version number, so
+versions only ever go up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import httpx
+from pydantic import BaseModel, Field
+
+from slime_server.buffer.schema import Trajectory
+from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
+from slime_server.trainer.advantages import AdvantageConfig, compute_advantages
+from slime_server.trainer.types import TrainSample
+
+log = logging.getLogger(__name__)
+
+StalePolicy = Literal["drop", "downweight", "keep"]
+
+
+class LoopSettings(BaseModel):
+    """Knobs of the loop (slime's names where it has one)."""
+
+    batch_size: int = Field(8, ge=1, description="trajectories per optimizer step (global batch)")
+    n_samples_per_prompt: int = Field(1, ge=1, description="group size; a group trains only once complete")
+    max_staleness: int | None = Field(2, ge=0, description="max versions between a sample's oldest "
+                                      "generated token and the current policy; None = no bound")
+    stale_policy: StalePolicy = Field("drop", description="what happens to samples beyond max_staleness")
+    stale_decay: float = Field(0.5, gt=0, le=1, description="downweight: advantage x decay ** (lag - max)")
+    drop_zero_variance_groups: bool = Field(False, description="DAPO dynamic sampling: skip groups whose "
+                                            "rewards are all equal (they carry no GRPO signal)")
+    update_weights_interval: int = Field(1, ge=1, description="push weights every N steps")
+    checkpoint_interval: int = Field(5, ge=1, description="checkpoint every N steps")
+    max_steps: int | None = Field(None, ge=1, description="stop (completed) after this many steps")
+    sync: bool = Field(False, description="pause generation while training + pushing (no overlap)")
+    poll_interval_s: float = Field(0.2, gt=0)
+    bucket_bytes: int | None = Field(None, ge=1, description="update_weight_buffer_size; None = 512 MiB")
+    advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(estimator="reinforce_plus_plus"))
+
+
+class Trainer(Protocol):
+    """What the loop needs from the trainer ranks (``TrainerGroup``, or one in-process ``TrainerRank``)."""
+
+    def train_step(self, samples: Sequence[TrainSample], **kwargs: Any) -> dict[str, float]: ...
+
+    def save_checkpoint(self, path: str) -> str: ...
+
+    def load_checkpoint(self, path: str) -> dict[str, int]: ...
+
+    def push_weights(self, engine_urls: Sequence[str], version: int | str,
+                     bucket_bytes: int | None = None) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class Checkpoint(BaseModel):
+    step: int
+    version: int
+    path: str
+    created_at: float = Field(default_factory=time.time)
+
+
+class LoopState(BaseModel):
+    """What survives a restart (persisted by the job layer after every step)."""
+
+    step: int = 0
+    version: int = 0
+    checkpoints: list[Checkpoint] = Field(default_factory=list)
+    dropped_stale: int = 0
+    dropped_zero_variance: int = 0
+    downweighted: int = 0
+    restarts: int = 0
+
+
+class Batch(BaseModel):
+    trajectories: list[Trajectory]
+    lags: list[int]
+
+
+def min_version(t: Trajectory) -> int | None:
+    """Version of the oldest policy that generated a token of ``t`` (None: nothing generated)."""
+    versions = [v for v, m in zip(t.weight_versions, t.loss_mask, strict=True) if m and v >= 0]
+    return min(versions) if versions else None
+
+
+def to_train_sample(t: Trajectory) -> TrainSample:
+    return TrainSample(tokens=t.tokens, loss_mask=t.loss_mask, rollout_logprobs=t.rollout_logprobs,
+                       reward=float(t.reward or 0.0), group_id=t.group_id, weight_versions=t.weight_versions,
+                       sample_id=t.id)
+
+
+class EngineControl:
+    """The live engines as the loop sees them: their URLs (which may change) and pause/continue."""
+
+    def __init__(self, urls: Callable[[], list[str]], timeout: float = 60.0) -> None:
+        self.urls = urls
+        self._client = httpx.Client(timeout=timeout)
+
+    def _all(self, path: str, body: dict[str, Any] | None = None) -> None:
+        for url in self.urls():
+            self._client.post(f"{url}{path}", json=body or {}).raise_for_status()
+
+    def pause(self) -> None:
+        # in_place: running requests stay and finish after /continue_generation (never aborted)
+        self._all("/pause_generation", {"mode": "in_place"})
+
+    def versions(self) -> list[str | None]:
+        out: list[str | None] = []
+        for url in self.urls():
+            try:
+                out.append(str(self._client.get(f"{url}/get_weight_version").json()["weight_version"]))
+            except (httpx.HTTPError, KeyError, ValueError):
+                out.append(None)
+        return out
+
+    def resume(self) -> None:
+        self._all("/continue_generation")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class TrainLoop:
+    """One job's loop. ``run`` blocks until ``stop`` is set (or ``max_steps``); call it in a thread."""
+
+    def __init__(self, store: TrajectoryStore, make_trainer: Callable[[], Trainer], engines: EngineControl,
+                 settings: LoopSettings, checkpoint_dir: str | Path, *, state: LoopState | None = None,
+                 on_step: Callable[[LoopState, dict[str, float]], None] | None = None,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None, job_id: str | None = None) -> None:
+        self.store = store
+        self.job_id = job_id  # whose consumption this is (a restart releases only its own)
+        self.make_trainer = make_trainer
+        self.engines = engines
+        self.settings = settings
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.state = state or LoopState()
+        self.on_step = on_step or (lambda state, metrics: None)
+        self.on_event = on_event or (lambda kind, data: None)
+        self.stop = threading.Event()
+        self.paused = threading.Event()
+        self.checkpoint_requested = threading.Event()
+        self.checkpoint_done = threading.Condition()
+        self.trainer: Trainer | None = None
+        self._last_step_end = time.monotonic()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_trainer(self) -> None:
+        """Build the ranks; resume from the last checkpoint if there is one (and re-push its weights)."""
+        t0 = time.monotonic()
+        self.trainer = self.make_trainer()
+        self._restore()
+        self.on_event("trainer_ready", {"version": self.state.version, "step": self.state.step,
+                                        "seconds": round(time.monotonic() - t0, 3)})
+
+    def _restore(self) -> None:
+        assert self.trainer is not None
+        ckpt = self.state.checkpoints[-1] if self.state.checkpoints else None
+        if ckpt is None and self.state.step == 0:
+            # fresh job: the engines serve the base weights as version 0, unless an earlier job moved
+            # them on; then the base weights go out under the next version (versions never go back)
+            served = [int(v) for v in self.engines.versions() if v is not None and v.lstrip("-").isdigit()]
+            if any(v != self.state.version for v in served):
+                self.state.version = max([*served, self.state.version]) + 1
+                self._push()
+            return
+        if ckpt is not None:
+            self.trainer.load_checkpoint(ckpt.path)
+        released = self.store.release_consumed(ckpt.step if ckpt else 0, self.job_id)
+        self.state.step = ckpt.step if ckpt else 0
+        self.state.version += 1  # restored weights get a new version: versions never go back
+        self._push()
+        self.on_event("resumed", {"from_step": self.state.step, "version": self.state.version,
+                                  "released_trajectories": released})
+
+    def recover(self, error: BaseException) -> None:
+        log.warning("trainer failed (%s); restarting from the last checkpoint", error)
+        self.state.restarts += 1
+        self.on_event("trainer_restart", {"error": repr(error)[:500], "restarts": self.state.restarts})
+        if self.trainer is not None:
+            try:
+                self.trainer.shutdown()
+            except Exception:  # noqa: BLE001 - the ranks are being replaced anyway
+                pass
+        self.trainer = None
+        self.start_trainer()
+
+    def run(self, *, max_restarts: int = 3) -> None:
+        if self.trainer is None:
+            self.start_trainer()
+        failures = 0
+        while not self.stop.is_set():
+            if self.checkpoint_requested.is_set():
+                self.checkpoint_requested.clear()
+                self.checkpoint()
+            if self.settings.max_steps is not None and self.state.step >= self.settings.max_steps:
+                return
+            if self.paused.is_set():
+                self.stop.wait(self.settings.poll_interval_s)
+                continue
+            try:
+                metrics = self.step_once()
+            except Exception as e:
+                if not _is_trainer_failure(e) or failures >= max_restarts:
+                    raise
+                failures += 1
+                self.recover(e)
+                continue
+            if metrics is None:
+                self.stop.wait(self.settings.poll_interval_s)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.shutdown()
+            self.trainer = None
+
+    # ------------------------------------------------------------------ one step
+    def select_batch(self) -> Batch | None:
+        """Whole groups, oldest first, until ``batch_size``; stale and zero-variance groups handled here."""
+        s = self.settings
+        pool = self.store.list_trajectories(status="finished", rewarded=True, unconsumed=True,
+                                            limit=max(4 * s.batch_size, 256))
+        groups: dict[str, list[Trajectory]] = {}
+        for t in pool:
+            groups.setdefault(t.group_id or t.id, []).append(t)
+        chosen: list[Trajectory] = []
+        lags: list[int] = []
+        drop_stale: list[str] = []
+        drop_flat: list[str] = []
+        for members in groups.values():
+            if len(members) < s.n_samples_per_prompt:
+                continue  # wait for the rest of the group
+            members = members[: s.n_samples_per_prompt]
+            versions = [min_version(t) for t in members]
+            if any(v is None for v in versions):  # nothing generated: nothing to learn
+                drop_flat += [t.id for t in members]
+                continue
+            lag = self.state.version - min(v for v in versions if v is not None)
+            if s.max_staleness is not None and lag > s.max_staleness and s.stale_policy == "drop":
+                drop_stale += [t.id for t in members]
+                continue
+            if s.drop_zero_variance_groups and len(members) > 1 and len({t.reward for t in members}) == 1:
+                drop_flat += [t.id for t in members]
+                continue
+            if len(chosen) + len(members) > s.batch_size:
+                break
+            chosen += members
+            lags += [self.state.version - (v if v is not None else 0) for v in versions]
+            if len(chosen) == s.batch_size:
+                break
+        if drop_stale or drop_flat:
+            stale = self.store.mark_consumed(drop_stale, DROPPED_STEP, self.job_id) if drop_stale else 0
+            flat = self.store.mark_consumed(drop_flat, DROPPED_STEP, self.job_id) if drop_flat else 0
+            self.state.dropped_stale += stale
+            self.state.dropped_zero_variance += flat
+            self.on_event("dropped", {"stale": stale, "zero_variance_or_empty": flat,
+                                      "version": self.state.version})
+        if len(chosen) < s.batch_size:
+            return None
+        return Batch(trajectories=chosen, lags=lags)
+
+    def step_once(self) -> dict[str, float] | None:
+        """Train on one batch if there is one; returns the step's metrics (None: not enough data yet)."""
+        batch = self.select_batch()
+        if batch is None:
+            return None
+        assert self.trainer is not None
+        s = self.settings
+        t0 = time.monotonic()
+        samples = compute_advantages([to_train_sample(t) for t in batch.trajectories], s.advantage)
+        downweighted = 0
+        if s.stale_policy == "downweight" and s.max_staleness is not None:
+            for i, lag in enumerate(batch.lags):
+                if lag > s.max_staleness:
+                    factor = s.stale_decay ** (lag - s.max_staleness)
+                    samples[i] = samples[i].model_copy(update={"advantages": [a * factor for a in samples[i].advantages or []]})
+                    downweighted += 1
+        self.state.downweighted += downweighted
+        if s.sync:
+            self.engines.pause()
+        try:
+            metrics = dict(self.trainer.train_step(samples, bump_version=False))
+            self.store.mark_consumed([t.id for t in batch.trajectories], self.state.step + 1, self.job_id)
+            self.state.step += 1
+            self.state.version += 1
+            push: dict[str, Any] | None = None
+            if self.state.step % s.update_weights_interval == 0:
+                push = self._push()
+        finally:
+            if s.sync:
+                self.engines.resume()
+        if self.state.step % s.checkpoint_interval == 0:
+            self.checkpoint()
+        now = time.monotonic()
+        rewards = [float(t.reward or 0.0) for t in batch.trajectories]
+        tokens = sum(len(t.tokens) for t in batch.trajectories)
+        metrics.update(
+            step=float(self.state.step), policy_version=float(self.state.version),
+            reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            samples=float(len(samples)), tokens=float(tokens), trained_tokens=float(sum(sum(t.loss_mask) for t in batch.trajectories)),
+            staleness_mean=statistics.fmean(batch.lags), staleness_max=float(max(batch.lags)),
+            dropped_stale=float(self.state.dropped_stale), dropped_zero_variance=float(self.state.dropped_zero_variance),
+            downweighted=float(self.state.downweighted), step_seconds=now - t0,
+            tokens_per_s=tokens / max(now - self._last_step_end, 1e-9),
+        )
+        if push is not None:
+            metrics.update(push_seconds=float(push.get("seconds", 0.0)), push_gbps=float(push.get("gbps", 0.0)))
+        self._last_step_end = now
+        self.on_step(self.state, {k: v for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)})
+        return metrics
+
+    def checkpoint(self) -> Checkpoint:
+        assert self.trainer is not None
+        from slime_server.trainer.checkpoint import checkpoint_dir
+
+        path = self.trainer.save_checkpoint(str(checkpoint_dir(self.checkpoint_dir, self.state.step)))
+        ckpt = Checkpoint(step=self.state.step, version=self.state.version, path=path)
+        with self.checkpoint_done:
+            self.state.checkpoints.append(ckpt)
+            self.checkpoint_done.notify_all()
+        self.on_event("checkpoint", ckpt.model_dump())
+        return ckpt
+
+    def _push(self) -> dict[str, Any]:
+        assert self.trainer is not None
+        urls = self.engines.urls()
+        stats = self.trainer.push_weights(urls, self.state.version, self.settings.bucket_bytes)
+        self.on_event("weights_pushed", {"version": self.state.version, "engines": len(urls),
+                                         "seconds": stats.get("seconds"), "bytes": stats.get("bytes")})
+        return stats
+
+
+def _is_trainer_failure(e: BaseException) -> bool:
+    """A dead or crashed rank (Ray's actor errors), as opposed to a bug in the loop or bad data."""
+    try:
+        import ray.exceptions as rex
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(e, rex.RayActorError | rex.ActorDiedError | rex.RayTaskError | rex.WorkerCrashedError)
