@@ -91,6 +91,8 @@ class GatewaySettings(_Section):
     engine_supports_penalties: bool = Field(
         False, description="SGLang engines do; the built-in CPU engine does not (requests then get a 400)")
     engine_timeout_s: float = Field(600.0, gt=0)
+    max_continuations: int = Field(3, ge=0, description="partial rollouts: how often a generation an engine "
+                                   "aborted on its own (weight update, restart) is continued; 0 = never")
     db_path: str = Field("slime_server.db", description="SQLite trajectory store")
 
 

@@ -13,13 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from prometheus_client import Counter
 
 from slime_server.api.auth import Principal, authenticate, bearer_token
 from slime_server.api.engine_client import EngineClient
 from slime_server.api.errors import APIError, BodySizeLimitMiddleware, install_error_handlers
+from slime_server.api.partial import InflightRegistry
 from slime_server.api.reasoning import ReasoningParser, get_reasoning_parser
 from slime_server.api.tool_parsers import ToolCallParser, get_tool_parser
 from slime_server.config import GatewaySettings
+
+PARTIAL_CONTINUATIONS = Counter("slime_partial_rollout_continuations_total",
+                                "engine-aborted generations the gateway continued (partial rollouts)")
 
 
 @dataclass
@@ -33,6 +38,7 @@ class Gateway:
     sessions: Any  # slime_server.sessions.SessionManager
     store: Any  # slime_server.buffer.store.TrajectoryStore
     jobs: Any = None  # slime_server.jobs.JobManager when a trainer is attached (serve); None: serving only
+    inflight: InflightRegistry = field(default_factory=InflightRegistry)
     tool_parser: ToolCallParser = field(init=False)
     reasoning: ReasoningParser | None = field(init=False)
 
@@ -68,6 +74,32 @@ class Gateway:
         except LookupError:
             return False
         return bool(session.metadata.get("serve_only"))
+
+
+    async def generate(self, session_id: str, rid: str, input_ids: list[int], params: dict[str, Any],
+                       **kw: Any) -> list[Any]:
+        """Engine call for a recorded turn: abortable per session, engine-side aborts continued."""
+        from slime_server.api.partial import generate_continuing
+
+        rid_or_none = rid if int(params.get("n", 1)) == 1 else None  # SGLang takes one rid per sample
+        self.inflight.add(session_id, rid)
+        try:
+            outs, continued = await generate_continuing(
+                self.engine.generate, input_ids, params, rid=rid_or_none, aborted_by_us=self.inflight.aborted,
+                max_continuations=self.settings.max_continuations, **kw)
+        finally:
+            self.inflight.done(session_id, rid)
+        if continued:
+            PARTIAL_CONTINUATIONS.inc(continued)
+        return outs
+
+    async def abort_session(self, session_id: str) -> dict[str, int]:
+        """Abort every generation in flight for ``session_id`` on every engine (surplus rollouts)."""
+        from slime_server.api.partial import abort_everywhere
+
+        rids = self.inflight.mark_aborted(session_id)
+        engines = await abort_everywhere(self.engine.base_url, rids, self.engine.http) if rids else 0
+        return {"aborted": len(rids), "engines": engines}
 
 
 def get_gateway(request: Request) -> Gateway:

@@ -31,6 +31,10 @@ class EngineClient:
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0),
                                        limits=limits)
 
+    @property
+    def http(self) -> httpx.AsyncClient:
+        return self._http
+
     async def aclose(self) -> None:
         await self._http.aclose()
 

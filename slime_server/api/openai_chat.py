@@ -223,8 +223,8 @@ async def chat_completion(gw: Gateway, req: ChatCompletionRequest, principal: Pr
                           header_session_id: str | None) -> ChatCompletionResponse:
     turn = ChatTurn(gw, req)
     call = await turn.prepare(principal, header_session_id)
-    outs = await gw.engine.generate(call["input_ids"], call["sampling_params"], return_logprob=True,
-                                    top_logprobs_num=call["top_logprobs_num"])
+    outs = await gw.generate(turn.prepared.session_id, turn.response_id, call["input_ids"], call["sampling_params"],
+                             return_logprob=True, top_logprobs_num=call["top_logprobs_num"])
     messages = [build_message(gw, turn.prefill + o.text, turn.parse_tools) for o in outs]
     usage = await turn.record(outs, messages)  # durable before we answer
     choices = []

@@ -86,11 +86,12 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
     session_id = resolve_session(principal, x_session_id, req.metadata)
     await gw.admit(session_id, req.metadata)
     prepared = await recording.prepare_raw(gw.store, session_id, prompt_ids, req.n)
-    outs = await gw.engine.generate(prompt_ids, params, return_logprob=True, top_logprobs_num=req.logprobs or 0)
+    response_id = new_id("cmpl")
+    outs = await gw.generate(prepared.session_id, response_id, prompt_ids, params, return_logprob=True,
+                             top_logprobs_num=req.logprobs or 0)
     completion = sum(len(o.output_ids) for o in outs)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
                   total_tokens=len(prompt_ids) + completion)
-    response_id = new_id("cmpl")
     outcomes = [openai_chat.outcome(o, i, ResponseMessage(content=o.text)) for i, o in enumerate(outs)]
     await recording.commit_turn(gw.sessions, prepared, outcomes, response_id, usage)
     choices = []

@@ -89,6 +89,13 @@ async def close_session(session_id: str, gw: GW, principal: Caller) -> SessionCl
     return SessionClosed(id=session_id, status="closed")
 
 
+@router.post("/sessions/{session_id}/abort")
+async def abort_session(session_id: str, gw: GW, principal: Caller) -> dict[str, Any]:
+    """Abort the session's generations in flight (over-sampling: surplus rollouts). Never continued."""
+    await _session(gw, principal, session_id)
+    return {"session_id": session_id, **await gw.abort_session(session_id)}
+
+
 @router.post("/responses/{response_id}/feedback", response_model=FeedbackResult)
 async def feedback(response_id: str, body: FeedbackRequest, gw: GW, principal: Caller) -> FeedbackResult:
     if body.thumb is None and body.score is None:

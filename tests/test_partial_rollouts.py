@@ -1,0 +1,89 @@
+"""Partial rollouts and surplus aborts through the real gateway, router and CPU engine.
+
+- An engine that aborts a generation on its own (``/pause_generation {"mode": "abort"}``, as for a
+  weight update) does not fail the client: the gateway continues from the tokens so far and the
+  greedy answer equals the uninterrupted one, token for token.
+- ``POST /v1/sessions/{id}/abort`` stops that session's generation for good (over-sampling
+  surplus); the partial turn is recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from _gateway_helpers import MODEL, GatewayProc, gateway, openai_client, router_url  # noqa: F401
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = [{"role": "user", "content": "Tell me a long story."}]
+
+
+def _engine_url(router: str) -> str:
+    return httpx.get(f"{router}/workers", timeout=10).json()["workers"][0]["url"]
+
+
+def _wait_running(engine: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{engine}/get_server_info", timeout=10).json()["internal_states"][0]
+        if info["num_running_reqs"]:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no request started running: {info}")
+
+
+def _counter(gw: GatewayProc, name: str) -> float:
+    for line in httpx.get(f"{gw.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_engine_abort_is_continued_and_equals_the_uninterrupted_answer(gateway: GatewayProc,  # noqa: F811
+                                                                        router_url: str) -> None:  # noqa: F811
+    client = openai_client(gateway)
+    kw = dict(model=MODEL, messages=PROMPT, max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+    reference = client.chat.completions.create(**kw)
+    assert reference.usage.completion_tokens == 120
+    engine = _engine_url(router_url)
+    before = _counter(gateway, "slime_partial_rollout_continuations_total")
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
+        **kw, extra_headers={"X-Session-Id": "partial-1"})))
+    t.start()
+    _wait_running(engine)
+    httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}, timeout=10).raise_for_status()
+    time.sleep(0.3)
+    httpx.post(f"{engine}/continue_generation", json={}, timeout=10).raise_for_status()
+    t.join(120)
+    r = result["r"]
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 120
+    assert r.choices[0].message.content == reference.choices[0].message.content
+    assert _counter(gateway, "slime_partial_rollout_continuations_total") >= before + 1
+    traj = httpx.get(f"{gateway.base_url}/sessions/partial-1/trajectory", timeout=10).json()
+    assert len(traj) == 1 and sum(traj[0]["loss_mask"]) == 120
+    assert all(lp <= 0 for lp, m in zip(traj[0]["rollout_logprobs"], traj[0]["loss_mask"], strict=True) if m)
+
+
+def test_session_abort_stops_the_generation_for_good(gateway: GatewayProc, router_url: str) -> None:  # noqa: F811
+    client = openai_client(gateway)
+    sid = "surplus-1"
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
+        model=MODEL, messages=PROMPT, max_tokens=400, temperature=1.0, seed=3, extra_body={"ignore_eos": True},
+        extra_headers={"X-Session-Id": sid})))
+    t.start()
+    engine = _engine_url(router_url)
+    _wait_running(engine)
+    time.sleep(0.2)
+    r = httpx.post(f"{gateway.base_url}/sessions/{sid}/abort", timeout=30)
+    assert r.status_code == 200 and r.json()["aborted"] == 1 and r.json()["engines"] == 1
+    t.join(120)
+    done = result["r"]
+    assert 0 < done.usage.completion_tokens < 400  # stopped, and not continued
+    traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
+    assert sum(traj[0]["loss_mask"]) == done.usage.completion_tokens
+    assert httpx.post(f"{gateway.base_url}/sessions/no-such-session/abort", timeout=10).status_code == 404
