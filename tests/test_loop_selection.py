@@ -1,0 +1,123 @@
+"""Batch selection of trainer/loop.py on a real SQLite buffer: whole groups only, staleness policies,
+zero-variance dropping, and what a step does to the buffer (with a recording stand-in for the ranks,
+which are outside this unit; the real ranks run in test_jobs_e2e.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slime_server.buffer.schema import Trajectory, Turn
+from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+from slime_server.buffer.store import ResponseRef, TurnWrite
+from slime_server.trainer.loop import EngineControl, LoopSettings, TrainLoop
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = SQLiteTrajectoryStore(tmp_path / "buffer.db")
+    yield s
+    s.close()
+
+
+def add(store: SQLiteTrajectoryStore, sid: str, *, group: str | None = None, version: int = 0,
+        reward: float | None = 1.0) -> str:
+    store.create_session(sid, group_id=group)
+    n = 3
+    t = Trajectory(session_id=sid, group_id=group or sid, tokens=[5, 6, 7, 8, 9, 10], loss_mask=[0, 0, 0, 1, 1, 1],
+                   rollout_logprobs=[0.0] * n + [-0.5] * n, weight_versions=[-1] * n + [version] * n,
+                   turns=[Turn(response_id=f"r-{sid}", prompt_start=0, output_start=n, output_end=2 * n,
+                               finish_reason="stop")], turn_rewards=[None])
+    store.write_turn(TurnWrite(session_id=sid, trajectories=[t],
+                               responses=[ResponseRef(response_id=f"r-{sid}", choice=0, trajectory_id=t.id)]))
+    store.close_session(sid)
+    if reward is not None:
+        store.set_reward(sid, reward=reward)
+    return t.id
+
+
+class RecordingTrainer:
+    """Stands in for the Megatron ranks: records what it was asked to train and push."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Any]] = []
+        self.pushes: list[int] = []
+
+    def train_step(self, samples, **kw):
+        self.batches.append(list(samples))
+        return {"loss": 0.5}
+
+    def push_weights(self, urls, version, bucket_bytes=None):
+        self.pushes.append(int(version))
+        return {"seconds": 0.0, "bytes": 0}
+
+    def save_checkpoint(self, path):
+        return path
+
+    def load_checkpoint(self, path):
+        return {}
+
+    def shutdown(self):
+        pass
+
+
+def loop(store, tmp_path: Path, **settings: Any) -> tuple[TrainLoop, RecordingTrainer]:
+    trainer = RecordingTrainer()
+    lp = TrainLoop(store, lambda: trainer, EngineControl(lambda: []), LoopSettings(**settings), tmp_path,
+                   job_id="job-x")
+    lp.trainer = trainer
+    return lp, trainer
+
+
+def test_groups_train_only_when_complete_and_whole(store, tmp_path: Path) -> None:
+    lp, trainer = loop(store, tmp_path, batch_size=4, n_samples_per_prompt=2, advantage={"estimator": "grpo"})
+    a = [add(store, f"a{i}", group="A", reward=float(i)) for i in range(2)]
+    add(store, "b0", group="B")  # B is missing its second sample
+    assert lp.step_once() is None  # 2 complete samples < batch of 4
+    c = [add(store, f"c{i}", group="C", reward=float(i)) for i in range(2)]
+    metrics = lp.step_once()
+    assert metrics is not None and metrics["samples"] == 4
+    assert [s.sample_id for s in trainer.batches[0]] == a + c
+    advs = [s.advantages[-1] for s in trainer.batches[0]]
+    assert advs[0] < 0 < advs[1] and advs[2] < 0 < advs[3]  # GRPO within each group
+    assert [store.get_trajectory(t).consumed_step for t in a + c] == [1] * 4
+    assert trainer.pushes == [1] and lp.state.version == 1
+
+
+def test_stale_samples_dropped_downweighted_or_kept(store, tmp_path: Path) -> None:
+    for policy, expect_trained, expect_dropped in (("drop", 2, 2), ("downweight", 4, 0), ("keep", 4, 0)):
+        lp, trainer = loop(store, tmp_path, batch_size=2, max_staleness=1, stale_policy=policy,
+                           advantage={"estimator": "reinforce_plus_plus"})
+        lp.state.version = 5
+        ids = [add(store, f"{policy}-old{i}", version=3, reward=float(i)) for i in range(2)]
+        ids += [add(store, f"{policy}-new{i}", version=5, reward=float(i)) for i in range(2)]
+        while lp.step_once() is not None:
+            pass
+        trained = sum(len(b) for b in trainer.batches)
+        assert (trained, lp.state.dropped_stale) == (expect_trained, expect_dropped), policy
+        if policy == "drop":
+            assert store.get_trajectory(ids[0]).consumed_step == -1
+        if policy == "downweight":
+            assert lp.state.downweighted == 2
+            first = trainer.batches[0]  # the old pair: lag 2 -> advantages x 0.5
+            assert abs(first[1].advantages[-1]) == pytest.approx(0.5 * abs(trainer.batches[1][1].advantages[-1]))
+
+
+def test_zero_variance_groups_are_dropped_when_asked(store, tmp_path: Path) -> None:
+    lp, trainer = loop(store, tmp_path, batch_size=2, n_samples_per_prompt=2, drop_zero_variance_groups=True,
+                       advantage={"estimator": "grpo"})
+    flat = [add(store, f"f{i}", group="F", reward=1.0) for i in range(2)]
+    add(store, "g0", group="G", reward=0.0)
+    add(store, "g1", group="G", reward=1.0)
+    assert lp.step_once() is not None
+    assert lp.state.dropped_zero_variance == 2
+    assert [store.get_trajectory(t).consumed_step for t in flat] == [-1, -1]
+    assert len(trainer.batches) == 1 and {s.group_id for s in trainer.batches[0]} == {"G"}
+
+
+def test_unrewarded_and_open_trajectories_are_not_taken(store, tmp_path: Path) -> None:
+    lp, trainer = loop(store, tmp_path, batch_size=1)
+    add(store, "u", reward=None)
+    assert lp.step_once() is None and trainer.batches == []
