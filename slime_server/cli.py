@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "slime_server.api.serve_cmd:ServeCommand",
     "demo": "slime_server.demo:DemoCommand",
     "export": "slime_server.buffer.export:ExportCommand",
+    "agent": "slime_server.agents.cli:AgentCommand",
 }
 
 # flag -> (dotted settings path, type). Values left at None do not override env/YAML.

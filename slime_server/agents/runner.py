@@ -1,0 +1,135 @@
+"""The agent runner: plays environment episodes against any slime-server's ``/v1`` with the openai SDK.
+
+For each dataset row it opens ``n_samples_per_prompt`` sessions sharing one group id (a GRPO
+group), runs the chat/tool loop (the model calls tools, the environment answers, up to
+``max_turns``), posts the episode's reward, and closes the session; the server's buffer then
+holds one rewarded trajectory per episode, in groups, ready for a job. Async with bounded
+concurrency; 429 (buffer pacing) and transient errors are retried by the SDK with backoff,
+honouring ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, Field
+
+from slime_server.envs.base import DatasetRow, Environment
+
+
+class RunnerSettings(BaseModel):
+    base_url: str = Field(description="the server's /v1 URL")
+    api_key: str = "none"
+    model: str | None = Field(None, description="default: the first model the server lists")
+    n_samples_per_prompt: int = Field(4, ge=1)
+    concurrency: int = Field(8, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(64, ge=1)
+    seed: int | None = None
+    max_retries: int = Field(8, ge=0)
+    timeout_s: float = Field(300.0, gt=0)
+    post_rewards: bool = Field(True, description="False for evaluation runs that must not train")
+    serve_only: bool = Field(False, description="mark sessions serve-only (never paced, e.g. evaluation)")
+
+
+class EpisodeResult(BaseModel):
+    session_id: str
+    group_id: str
+    reward: float
+    turns: int
+    tool_calls: int
+    final_text: str
+    error: str | None = None
+
+
+class RunSummary(BaseModel):
+    episodes: int
+    groups: int
+    mean_reward: float
+    success_rate: float
+    errors: int
+    seconds: float
+    results: list[EpisodeResult]
+
+
+class AgentRunner:
+    def __init__(self, env: Environment, settings: RunnerSettings) -> None:
+        self.env = env
+        self.settings = settings
+
+    async def run(self, rows: Sequence[DatasetRow], *, on_episode: Callable[[EpisodeResult], None] | None = None
+                  ) -> RunSummary:
+        from openai import AsyncOpenAI
+
+        s = self.settings
+        t0 = time.monotonic()
+        client = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=s.max_retries, timeout=s.timeout_s)
+        rest = httpx.AsyncClient(base_url=s.base_url, headers={"Authorization": f"Bearer {s.api_key}"},
+                                 timeout=s.timeout_s)
+        try:
+            model = s.model or (await client.models.list()).data[0].id
+            sem = asyncio.Semaphore(s.concurrency)
+            jobs = []
+            for i, row in enumerate(rows):
+                group = f"grp-{uuid.uuid4().hex[:12]}"
+                for k in range(s.n_samples_per_prompt):
+                    seed = None if s.seed is None else s.seed + i * s.n_samples_per_prompt + k
+                    jobs.append(self._guarded(sem, client, rest, model, row, group, seed, on_episode))
+            results = await asyncio.gather(*jobs)
+        finally:
+            await rest.aclose()
+            await client.close()
+        rewards = [r.reward for r in results]
+        return RunSummary(episodes=len(results), groups=len({r.group_id for r in results}),
+                          mean_reward=statistics.fmean(rewards) if rewards else 0.0,
+                          success_rate=sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
+                          errors=sum(r.error is not None for r in results), seconds=time.monotonic() - t0,
+                          results=list(results))
+
+    async def _guarded(self, sem: asyncio.Semaphore, *args: Any) -> EpisodeResult:
+        async with sem:
+            return await self.episode(*args)
+
+    async def episode(self, client: Any, rest: httpx.AsyncClient, model: str, row: DatasetRow, group: str,
+                      seed: int | None, on_episode: Callable[[EpisodeResult], None] | None = None) -> EpisodeResult:
+        s = self.settings
+        meta = {"env": self.env.name, **({"serve_only": True} if s.serve_only else {})}
+        r = await rest.post("/sessions", json={"group_id": group, "metadata": meta})
+        r.raise_for_status()
+        sid = r.json()["id"]
+        state = self.env.reset(row)
+        final_text, turns, error = "", 0, None
+        try:
+            for turn in range(self.env.max_turns):
+                turns = turn + 1
+                resp = await client.chat.completions.create(
+                    model=model, messages=state.messages, tools=state.tools or None, temperature=s.temperature,
+                    max_tokens=s.max_tokens, seed=None if seed is None else seed + turn,
+                    extra_headers={"X-Session-Id": sid},
+                    metadata={"serve_only": "true"} if s.serve_only else None)
+                msg = resp.choices[0].message
+                state.messages.append(msg.model_dump(exclude_none=True))
+                if not msg.tool_calls:
+                    final_text = msg.content or ""
+                    break
+                for call in msg.tool_calls:
+                    state.messages.append({"role": "tool", "tool_call_id": call.id,
+                                           "content": self.env.step(state, call.function.name, call.function.arguments)})
+            reward = self.env.reward(state, final_text)
+        except Exception as e:  # noqa: BLE001 - an episode that failed is reported, with reward 0
+            reward, error = 0.0, repr(e)[:500]
+        if s.post_rewards and error is None:
+            (await rest.post(f"/sessions/{sid}/reward", json={"reward": reward, "idempotency_key": f"{sid}-final"})
+             ).raise_for_status()
+        (await rest.post(f"/sessions/{sid}/close")).raise_for_status()
+        result = EpisodeResult(session_id=sid, group_id=group, reward=reward, turns=turns,
+                               tool_calls=state.tool_calls, final_text=final_text, error=error)
+        if on_episode is not None:
+            on_episode(result)
+        return result
