@@ -53,9 +53,17 @@ class _Strict(BaseModel):
 
 
 class DataSpec(_Strict):
+    """``live``: train on whatever rewarded traffic reaches /v1. ``dataset``: the job also plays the
+    environment's episodes on its dataset through this server's /v1 (the agent runner, in-process)."""
+
     source: Literal["live", "dataset"] = "live"
-    dataset: str | None = Field(None, description="dataset path (source=dataset)")
-    environment: str | None = Field(None, description="environment name (source=dataset)")
+    environment: str | None = Field(None, description="built-in name or module:attr (source=dataset)")
+    dataset: str | None = Field(None, description="JSONL path; default: the environment's generated rows")
+    num_prompts: int = Field(256, ge=1, description="rows generated when no dataset is given")
+    seed: int = 0
+    concurrency: int = Field(8, ge=1, description="episodes in flight")
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(64, ge=1)
 
 
 class PacingSpec(_Strict):
@@ -78,8 +86,13 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
         if self.data.source == "dataset":
-            raise ValueError("data.source 'dataset' needs a built-in environment; none is installed in this "
-                             "version — use 'live' and drive episodes through /v1")
+            from slime_server.envs.base import get_environment
+
+            if not self.data.environment:
+                raise ValueError("data.source 'dataset' needs data.environment (e.g. 'calculator')")
+            get_environment(self.data.environment)  # unknown names fail at submit time
+            if self.data.dataset is not None and not Path(self.data.dataset).is_file():
+                raise ValueError(f"data.dataset {self.data.dataset!r} is not a file")
         LossConfig(**self.loss_config())  # fail at submit time, not in the trainer
         return self
 
@@ -135,6 +148,49 @@ MakeTrainer = Callable[[JobSpec], Trainer]
 class _Running:
     def __init__(self, loop: TrainLoop, thread: threading.Thread, tb: Any) -> None:
         self.loop, self.thread, self.tb = loop, thread, tb
+        self.driver: threading.Thread | None = None
+
+
+class DatasetDriver:
+    """Plays a dataset job's episodes through /v1 while its loop runs (paused with it, stops with it)."""
+
+    def __init__(self, spec: JobSpec, loop: TrainLoop, base_url: str, api_key: str | None,
+                 on_event: Callable[[str, dict[str, Any]], None]) -> None:
+        from slime_server.agents.runner import AgentRunner, RunnerSettings
+        from slime_server.envs.base import get_environment, load_jsonl
+
+        d = spec.data
+        env = get_environment(d.environment or "")
+        self.rows = load_jsonl(d.dataset) if d.dataset else env.default_dataset(d.num_prompts, seed=d.seed)
+        if not self.rows:
+            raise ValueError("the dataset has no rows")
+        self.per_round = max(1, d.concurrency // spec.loop.n_samples_per_prompt)
+        self.runner = AgentRunner(env, RunnerSettings(
+            base_url=base_url, api_key=api_key or "none", n_samples_per_prompt=spec.loop.n_samples_per_prompt,
+            concurrency=d.concurrency, temperature=d.temperature, max_tokens=d.max_tokens))
+        self.loop, self.on_event = loop, on_event
+        self.episodes = 0
+
+    def run(self) -> None:
+        import asyncio
+
+        i = 0
+        while not self.loop.stop.is_set():
+            if self.loop.paused.is_set():
+                self.loop.stop.wait(0.2)
+                continue
+            chunk = [self.rows[(i + k) % len(self.rows)] for k in range(self.per_round)]
+            i += self.per_round
+            try:
+                summary = asyncio.run(self.runner.run(chunk))
+            except Exception as e:  # noqa: BLE001 - the server may be going down; retry unless stopping
+                log.warning("dataset episodes failed: %r", e)
+                self.loop.stop.wait(1.0)
+                continue
+            self.episodes += summary.episodes
+            self.on_event("episodes", {"episodes": summary.episodes, "total": self.episodes,
+                                       "mean_reward": summary.mean_reward, "success_rate": summary.success_rate,
+                                       "errors": summary.errors, "version": self.loop.state.version})
 
 
 class JobManager:
@@ -142,8 +198,11 @@ class JobManager:
 
     def __init__(self, store: TrajectoryStore, jobs: SQLiteJobStore, make_trainer: MakeTrainer,
                  engine_urls: Callable[[], list[str]], work_dir: str | Path, *, served_model: str | None = None,
-                 loop_hook: Callable[[TrainLoop], None] | None = None) -> None:
+                 loop_hook: Callable[[TrainLoop], None] | None = None, gateway_url: str | None = None,
+                 api_key: str | None = None) -> None:
         self.store = store
+        self.gateway_url = gateway_url  # this server's /v1, for dataset jobs' in-process agent runner
+        self.api_key = api_key
         self.jobs = jobs
         self.make_trainer = make_trainer
         self.engine_urls = engine_urls
@@ -318,9 +377,16 @@ class JobManager:
             loop.paused.set()
         self.loop_hook(loop)
         run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb)
+        if spec.data.source == "dataset":
+            if self.gateway_url is None:
+                raise JobError(400, "this server cannot run dataset jobs (no gateway URL)", "no_gateway")
+            driver = DatasetDriver(spec, loop, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d))
+            run.driver = threading.Thread(target=driver.run, name=f"driver-{row.id}", daemon=True)
         with self._lock:
             self._running[row.id] = run
         run.thread.start()
+        if run.driver is not None:
+            run.driver.start()
 
     def _run(self, job_id: str) -> None:
         run = self._running[job_id]
@@ -349,6 +415,9 @@ class JobManager:
                 loop.close()
             except Exception:  # noqa: BLE001
                 log.exception("job %s: trainer shutdown failed", job_id)
+            loop.stop.set()  # the dataset driver (if any) stops with the loop
+            if run.driver is not None:
+                run.driver.join(timeout=120)
             loop.engines.close()
             if run.tb is not None:
                 run.tb.close()

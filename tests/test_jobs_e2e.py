@@ -276,3 +276,30 @@ def _events(c: httpx.Client, job_id: str) -> list[dict[str, Any]]:
             if line.startswith("data: "):
                 out.append(json.loads(line[6:]))
     return out
+
+
+def test_dataset_job_plays_environment_episodes_in_groups(server: Any) -> None:
+    drain_pool(server)
+    body = {"name": "calc", "algorithm": "grpo", "optimizer": {"lr": 1e-3},
+            "data": {"source": "dataset", "environment": "calculator", "num_prompts": 8, "concurrency": 4,
+                     "max_tokens": 24},
+            "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": None, "poll_interval_s": 0.05,
+                     "checkpoint_interval": 100}}
+    with admin(server) as c:
+        r = c.post("/jobs", json={**body, "data": {**body["data"], "environment": "no-such-env"}})
+        assert r.status_code == 400 and "no-such-env" in r.json()["error"]["message"]
+        j = c.post("/jobs", json=body).raise_for_status().json()
+    j = wait_job(server, j["id"], lambda j: j["step"] >= 2)
+    episodes = wait_event(server, j["id"], "episodes")["data"]
+    assert episodes["episodes"] == 4 and episodes["errors"] == 0  # 2 prompts x 2 samples per round
+    store = server.gateway.server.config.app.state.gw.store
+    trained = [t for t in store.list_trajectories(limit=10_000) if t.consumed_step is not None and t.consumed_step > 0
+               and (t.group_id or "").startswith("grp-")]  # the runner's groups
+    by_group: dict[str, int] = {}
+    for t in trained:
+        by_group[t.group_id or t.id] = by_group.get(t.group_id or t.id, 0) + 1
+    assert by_group and all(n == 2 for n in by_group.values())  # whole GRPO groups only
+    cancel(server, j["id"])
+    n = len(store.list_trajectories(limit=10_000))
+    time.sleep(1.0)
+    assert len(store.list_trajectories(limit=10_000)) == n  # the driver stopped with the job

@@ -76,8 +76,10 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
         if tr.colocate:  # the ranks share the engines' devices: never generate while they step
             loop.settings = loop.settings.model_copy(update={"sync": True})
 
+    host = "127.0.0.1" if gw.settings.host in ("0.0.0.0", "::") else gw.settings.host
     jobs = JobManager(gw.store, SQLiteJobStore(gw.settings.db_path), make_trainer, engine_urls, tr.work_dir,
-                      served_model=gw.model_name, loop_hook=colocated)
+                      served_model=gw.model_name, loop_hook=colocated,
+                      gateway_url=f"http://{host}:{gw.settings.port}/v1", api_key=gw.settings.api_key)
     gw.jobs = jobs
     restored = jobs.restore()
     if restored:
