@@ -80,6 +80,8 @@ class Environment(ABC):
 
 BUILTIN: dict[str, str] = {
     "calculator": "slime_server.envs.calculator:CalculatorEnv",
+    "search": "slime_server.envs.search:SearchEnv",
+    "python": "slime_server.envs.python_env:PythonEnv",
 }
 
 
