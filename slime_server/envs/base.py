@@ -82,6 +82,7 @@ BUILTIN: dict[str, str] = {
     "calculator": "slime_server.envs.calculator:CalculatorEnv",
     "search": "slime_server.envs.search:SearchEnv",
     "python": "slime_server.envs.python_env:PythonEnv",
+    "mcp": "slime_server.envs.mcp:MCPEnvironment",  # needs command=[...]
 }
 
 
