@@ -71,6 +71,28 @@ class PacingSpec(_Strict):
     retry_after_s: float = Field(2.0, gt=0)
 
 
+class EvalSpec(_Strict):
+    """An evaluation set: greedy episodes through the same runner, serve-only, never trained on."""
+
+    name: str = Field(min_length=1, max_length=100)
+    environment: str
+    dataset: str | None = Field(None, description="JSONL path; default: the environment's generated rows")
+    num_prompts: int = Field(32, ge=1)
+    seed: int = 12345
+    every_steps: int = Field(10, ge=1, description="evaluate after every N training steps (and at step 0)")
+    max_tokens: int = Field(64, ge=1)
+    concurrency: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalSpec:
+        from slime_server.envs.base import get_environment
+
+        get_environment(self.environment)
+        if self.dataset is not None and not Path(self.dataset).is_file():
+            raise ValueError(f"eval dataset {self.dataset!r} is not a file")
+        return self
+
+
 class JobSpec(_Strict):
     """``POST /jobs`` body."""
 
@@ -82,6 +104,7 @@ class JobSpec(_Strict):
     loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (eps_clip, kl_coef, ...)")
     optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))
     pacing: PacingSpec = Field(default_factory=PacingSpec)
+    eval: list[EvalSpec] = Field(default_factory=list, description="evaluated on a schedule, per policy version")
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -364,17 +387,22 @@ class JobManager:
                 tb.flush()
             self._event(row.id, "step", {"step": state.step, "version": state.version,
                                          **{k: metrics[k] for k in ("loss", "reward_mean") if k in metrics}})
+            evaluator.maybe_run(state.step, state.version)
 
         def on_event(kind: str, data: dict[str, Any]) -> None:
             if kind in ("checkpoint", "dropped", "resumed", "trainer_ready"):
                 self.jobs.update_job(row.id, state=loop.state.model_dump())
             self._event(row.id, kind, data)
+            if kind == "trainer_ready" and data.get("step") == 0:  # the base policy's score, before training
+                evaluator.maybe_run(0, int(data.get("version", 0)))
 
+        evaluator = Evaluator(spec.eval, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d), tb)
         loop = TrainLoop(self.store, lambda: self.make_trainer(spec), engines, spec.loop_settings(),
                          job_dir / "checkpoints", state=LoopState.model_validate(row.state), on_step=on_step,
                          on_event=on_event, job_id=row.id)
         if row.status == "paused":
             loop.paused.set()
+
         self.loop_hook(loop)
         run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb)
         if spec.data.source == "dataset":
@@ -423,6 +451,66 @@ class JobManager:
                 run.tb.close()
             with self._lock:
                 self._running.pop(job_id, None)
+
+
+class Evaluator:
+    """Runs the job's eval sets in the background (one round at a time) and reports per version."""
+
+    def __init__(self, specs: list[EvalSpec], base_url: str | None, api_key: str | None,
+                 on_event: Callable[[str, dict[str, Any]], None], tb: Any) -> None:
+        self.specs, self.base_url, self.api_key, self.on_event, self.tb = specs, base_url, api_key, on_event, tb
+        self._lock = threading.Lock()
+        self._running = False
+        self._pending: tuple[list[EvalSpec], int, int] | None = None  # the newest round that came due meanwhile
+
+    def maybe_run(self, step: int, version: int) -> None:
+        due = [e for e in self.specs if step % e.every_steps == 0]
+        if not due or self.base_url is None:
+            return
+        with self._lock:
+            if self._running:
+                self._pending = (due, step, version)
+                return
+            self._running = True
+        threading.Thread(target=self._loop, args=(due, step, version), name="eval", daemon=True).start()
+
+    def _loop(self, specs: list[EvalSpec], step: int, version: int) -> None:
+        job: tuple[list[EvalSpec], int, int] | None = (specs, step, version)
+        while job is not None:
+            self._run(*job)
+            with self._lock:
+                job, self._pending = self._pending, None
+                if job is None:
+                    self._running = False
+
+    def _run(self, specs: list[EvalSpec], step: int, version: int) -> None:
+        import asyncio
+
+        from slime_server.agents.runner import AgentRunner, RunnerSettings
+        from slime_server.envs.base import get_environment, load_jsonl
+
+        try:
+            for e in specs:
+                env = get_environment(e.environment)
+                rows = load_jsonl(e.dataset)[: e.num_prompts] if e.dataset else env.default_dataset(e.num_prompts,
+                                                                                                      seed=e.seed)
+                runner = AgentRunner(env, RunnerSettings(
+                    base_url=self.base_url or "", api_key=self.api_key or "none", n_samples_per_prompt=1,
+                    concurrency=e.concurrency, temperature=0.0, max_tokens=e.max_tokens, seed=e.seed,
+                    post_rewards=False, serve_only=True))
+                try:
+                    summary = asyncio.run(runner.run(rows))
+                except Exception as exc:  # noqa: BLE001 - reported, never kills the job
+                    self.on_event("eval_failed", {"name": e.name, "step": step, "error": repr(exc)[:500]})
+                    continue
+                self.on_event("eval", {"name": e.name, "step": step, "version": version,
+                                       "success_rate": summary.success_rate, "mean_reward": summary.mean_reward,
+                                       "episodes": summary.episodes, "errors": summary.errors})
+                if self.tb is not None:
+                    self.tb.add_scalar(f"eval/{e.name}/success_rate", summary.success_rate, step)
+                    self.tb.flush()
+        except Exception as exc:  # noqa: BLE001 - an eval must never take the job down
+            self.on_event("eval_failed", {"step": step, "error": repr(exc)[:500]})
 
 
 def _tensorboard(path: Path) -> Any:

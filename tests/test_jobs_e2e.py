@@ -284,7 +284,9 @@ def test_dataset_job_plays_environment_episodes_in_groups(server: Any) -> None:
             "data": {"source": "dataset", "environment": "calculator", "num_prompts": 8, "concurrency": 4,
                      "max_tokens": 24},
             "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": None, "poll_interval_s": 0.05,
-                     "checkpoint_interval": 100}}
+                     "checkpoint_interval": 100},
+            "eval": [{"name": "calc-heldout", "environment": "calculator", "num_prompts": 4, "every_steps": 2,
+                      "max_tokens": 24}]}
     with admin(server) as c:
         r = c.post("/jobs", json={**body, "data": {**body["data"], "environment": "no-such-env"}})
         assert r.status_code == 400 and "no-such-env" in r.json()["error"]["message"]
@@ -299,6 +301,21 @@ def test_dataset_job_plays_environment_episodes_in_groups(server: Any) -> None:
     for t in trained:
         by_group[t.group_id or t.id] = by_group.get(t.group_id or t.id, 0) + 1
     assert by_group and all(n == 2 for n in by_group.values())  # whole GRPO groups only
+    deadline = time.monotonic() + 120
+    while True:  # evaluated before training (step 0) and after step 2, per policy version
+        with admin(server) as c:
+            evals = c.get(f"/jobs/{j['id']}/evals").raise_for_status().json()["data"]
+        if 0 in {e["step"] for e in evals} and max(e["step"] for e in evals) >= 2:
+            break
+        assert time.monotonic() < deadline, evals
+        time.sleep(0.5)
+    e0 = next(e for e in evals if e["step"] == 0)
+    assert e0["name"] == "calc-heldout" and e0["episodes"] == 4 and e0["errors"] == 0
+    assert 0.0 <= e0["success_rate"] <= 1.0
+    assert max(evals, key=lambda e: e["step"])["version"] > e0["version"]
+    evaluated = [t for t in store.list_trajectories(limit=10_000)
+                 if store.get_session(t.session_id).metadata.get("serve_only")]
+    assert evaluated and all(t.reward is None for t in evaluated)  # eval episodes are never rewarded
     cancel(server, j["id"])
     n = len(store.list_trajectories(limit=10_000))
     time.sleep(1.0)

@@ -92,6 +92,13 @@ async def job_metrics(job_id: str, jobs: Jobs, since_step: Annotated[int, Query(
     return await _call(jobs.metrics, job_id, since_step)
 
 
+@router.get("/{job_id}/evals", dependencies=[Admin])
+async def job_evals(job_id: str, jobs: Jobs) -> dict[str, Any]:
+    """Evaluation results (greedy, serve-only episodes), one entry per eval set and policy version."""
+    events: list[EventRow] = await _call(jobs.events, job_id, 0)
+    return {"object": "list", "data": [{"t": e.t, **e.data} for e in events if e.kind == "eval"]}
+
+
 @router.post("/{job_id}/checkpoints", dependencies=[Admin])
 async def create_checkpoint(job_id: str, jobs: Jobs) -> dict[str, Any]:
     return await _call(jobs.request_checkpoint, job_id)
