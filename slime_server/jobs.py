@@ -250,7 +250,14 @@ class JobManager:
             job_id = f"job-{uuid.uuid4().hex[:16]}"
             row = self.jobs.insert_job(job_id, spec.model_dump(mode="json"), "queued", LoopState().model_dump())
             self._event(job_id, "created", {"spec": row.spec})
-            self._launch(row)
+            try:
+                self._launch(row)
+            except Exception as e:  # a job that cannot start must not stay "queued" and block the next one
+                self.jobs.update_job(job_id, status="failed", error=repr(e)[:2000])
+                self._event(job_id, "failed", {"error": repr(e)[:2000]})
+                if isinstance(e, JobError):
+                    raise
+                raise JobError(400, f"the job cannot start: {e}", "job_start_failed") from e
         return self.get(job_id)
 
     def get(self, job_id: str) -> JobView:

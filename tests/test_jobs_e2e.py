@@ -278,8 +278,13 @@ def _events(c: httpx.Client, job_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def test_dataset_job_plays_environment_episodes_in_groups(server: Any) -> None:
+def test_dataset_job_plays_environment_episodes_in_groups(server: Any, tmp_path: Path) -> None:
     drain_pool(server)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with admin(server) as c:  # a job that cannot start fails cleanly and does not block the next one
+        r = c.post("/jobs", json={"data": {"source": "dataset", "environment": "calculator", "dataset": str(empty)}})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "job_start_failed"
     body = {"name": "calc", "algorithm": "grpo", "optimizer": {"lr": 1e-3},
             "data": {"source": "dataset", "environment": "calculator", "num_prompts": 8, "concurrency": 4,
                      "max_tokens": 24},
