@@ -8,15 +8,13 @@ created on open (``IF NOT EXISTS``), so an existing trajectory database gains th
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
+
+from slime_server.buffer.sqlite_conn import ThreadConnections
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -60,33 +58,12 @@ class SQLiteJobStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
-        self._local = threading.local()
-        self._write_lock = threading.Lock()
+        self._db = ThreadConnections(self.path)
+        self._conn, self._tx = self._db.conn, self._db.write
         with self._tx() as conn:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
-
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            self._local.conn = conn
-        return conn
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        conn = self._conn()
-        with self._write_lock:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
 
     # ---------------------------------------------------------------- jobs
     def insert_job(self, job_id: str, spec: dict[str, Any], status: str, state: dict[str, Any]) -> JobRow:
@@ -151,7 +128,4 @@ class SQLiteJobStore:
         return [EventRow(seq=r[0], t=r[1], kind=r[2], data=json.loads(r[3])) for r in rows]
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        self._db.close()

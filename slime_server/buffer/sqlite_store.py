@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,6 +38,7 @@ from slime_server.buffer.schema import (
     Turn,
     now,
 )
+from slime_server.buffer.sqlite_conn import ThreadConnections
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore, TurnWrite
 
 T = TypeVar("T")
@@ -171,48 +169,9 @@ class SQLiteTrajectoryStore(TrajectoryStore):
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
         self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._busy_timeout_s = busy_timeout_s
-        self._local = threading.local()
-        self._conns: list[sqlite3.Connection] = []
-        self._conns_lock = threading.Lock()
+        self._db = ThreadConnections(self.path, busy_timeout_s=busy_timeout_s)
+        self._conn, self._write, self._read = self._db.conn, self._db.write, self._db.read
         self._migrate()
-
-    # ---------------------------------------------------------------- plumbing
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            # isolation_level=None: we issue BEGIN/COMMIT ourselves, so nothing is committed implicitly.
-            conn = sqlite3.connect(self.path, timeout=self._busy_timeout_s, isolation_level=None,
-                                   check_same_thread=False)
-            conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA foreign_keys=ON")
-            self._local.conn = conn
-            with self._conns_lock:
-                self._conns.append(conn)
-        return conn
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-
-    def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        conn = self._conn()
-        conn.execute("BEGIN")
-        try:
-            return fn(conn)
-        finally:
-            conn.execute("COMMIT")
 
     def _migrate(self) -> None:
         with self._write() as conn:
@@ -234,11 +193,7 @@ class SQLiteTrajectoryStore(TrajectoryStore):
         return self._conn().execute("PRAGMA integrity_check").fetchone()[0]
 
     def close(self) -> None:
-        with self._conns_lock:
-            conns, self._conns = self._conns, []
-        for conn in conns:
-            conn.close()
-        self._local = threading.local()
+        self._db.close()
 
     # ---------------------------------------------------------------- sessions
     @staticmethod
