@@ -17,7 +17,6 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -26,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from slime_server.config import RouterSettings
 from slime_server.rollout.owned import spawn_owned
 from slime_server.utils.net import find_free_port, wait_http_ok
-from slime_server.utils.procs import kill_group, python_module_cmd
+from slime_server.utils.procs import cli_flags, kill_group, python_module_cmd
 
 
 class RouterWorker(BaseModel):
@@ -79,22 +78,6 @@ class RouterError(RuntimeError):
     """The router refused a request or did not reach the expected state in time."""
 
 
-def _flag_args(extra: dict[str, Any]) -> list[str]:
-    """``{"queue_size": 8, "disable_retries": True}`` -> ``--queue-size 8 --disable-retries``."""
-    out: list[str] = []
-    for key, value in extra.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, list | tuple):
-            out += [flag, *map(str, value)]
-        else:
-            out += [flag, str(value)]
-    return out
-
-
 def build_router_cmd(settings: RouterSettings, port: int, prometheus_port: int,
                      worker_urls: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The exact ``launch_router`` command line for ``settings``."""
@@ -113,7 +96,7 @@ def build_router_cmd(settings: RouterSettings, port: int, prometheus_port: int,
     )
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
-    return cmd + _flag_args(settings.extra_args)
+    return cmd + cli_flags(settings.extra_args)
 
 
 class RouterProcess:

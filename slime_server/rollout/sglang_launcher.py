@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from slime_server.config import EngineSettings
+from slime_server.utils.procs import cli_flags
 
 # Set by the launcher from EngineSettings/actor placement; a pass-through copy would be ambiguous.
 RESERVED_KEYS = frozenset({"model_path", "host", "port"})
@@ -26,23 +27,15 @@ def sglang_flag_args(args: Mapping[str, Any]) -> list[str]:
 
     True is a bare switch, False/None drop the flag, lists become several values after one flag.
     """
-    out: list[str] = []
+    normalized: dict[str, Any] = {}
     for key, value in args.items():
         norm = key.replace("-", "_")
         if norm in RESERVED_KEYS:
             raise SGLangArgsError(f"--sglang-{key.replace('_', '-')} is set by slime-server itself")
-        flag = "--" + norm.replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, list | tuple):
-            out += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            raise SGLangArgsError(f"{flag}: nested mappings cannot be passed on a command line")
-        else:
-            out += [flag, str(value)]
-    return out
+        if isinstance(value, dict):
+            raise SGLangArgsError(f"--{norm.replace('_', '-')}: nested mappings cannot be passed on a command line")
+        normalized[norm] = value
+    return cli_flags(normalized)
 
 
 def build_sglang_command(engine: EngineSettings, model_path: str, port: int,

@@ -7,7 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def spawn(cmd: Sequence[str], env: dict[str, str] | None = None, log_path: str | None = None,
@@ -48,3 +49,22 @@ def _kill_pg(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def cli_flags(args: Mapping[str, Any]) -> list[str]:
+    """``{"queue_size": 8, "disable_retries": True, "y": [1, 2]}`` -> ``--queue-size 8 --disable-retries --y 1 2``.
+
+    True is a bare switch, False/None drop the flag, lists become several values after one flag.
+    """
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list | tuple):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
