@@ -155,7 +155,8 @@ def _default_shm_dir() -> str | None:
     return SHM_DIR if os.access(SHM_DIR, os.W_OK) else None
 
 
-def _build(group: list[tuple[str, torch.Tensor]], alignment: int, shm_dir: str | None) -> Bucket:
+def bucket_layout(group: list[tuple[str, torch.Tensor]], alignment: int) -> BucketMeta:
+    """Where each tensor of ``group`` goes in one flat bucket (offsets aligned to ``alignment``)."""
     metas: list[TensorMeta] = []
     off = 0
     for name, t in group:
@@ -163,12 +164,20 @@ def _build(group: list[tuple[str, torch.Tensor]], alignment: int, shm_dir: str |
         metas.append(TensorMeta(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), offset=off,
                                 nbytes=_nbytes(t)))
         off += _nbytes(t)
-    meta = BucketMeta(alignment=alignment, total_bytes=off, tensors=metas)
-    buf, path, mm = _alloc(off, shm_dir)
-    for (_, t), m in zip(group, metas, strict=True):
+    return BucketMeta(alignment=alignment, total_bytes=off, tensors=metas)
+
+
+def fill_bucket(buf: torch.Tensor, group: list[tuple[str, torch.Tensor]], meta: BucketMeta) -> None:
+    """The one copy: each source (any device/stride) straight into its slot of the flat buffer."""
+    for (_, t), m in zip(group, meta.tensors, strict=True):
         if m.nbytes:
-            # The one copy: source (any device/stride) straight into its slot of the flat buffer.
             buf[m.offset:m.offset + m.nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+
+
+def _build(group: list[tuple[str, torch.Tensor]], alignment: int, shm_dir: str | None) -> Bucket:
+    meta = bucket_layout(group, alignment)
+    buf, path, mm = _alloc(meta.total_bytes, shm_dir)
+    fill_bucket(buf, group, meta)
     bucket = Bucket(meta=meta, buffer=buf, path=path, _keepalive=mm)
     if path is not None:
         weakref.finalize(bucket, _unlink_quiet, path)  # the producer owns the file

@@ -31,9 +31,8 @@ from slime_server.weights import (
     DEFAULT_BUCKET_BYTES,
     SHM_DIR,
     Bucket,
-    BucketMeta,
-    TensorMeta,
-    dtype_name,
+    bucket_layout,
+    fill_bucket,
     pack_buckets,
     push_bucket,
 )
@@ -170,19 +169,10 @@ class BucketArena:
             yield self._fill(index, group, alignment)
 
     def _fill(self, index: int, group: list[tuple[str, torch.Tensor]], alignment: int) -> Bucket:
-        metas: list[TensorMeta] = []
-        off = 0
-        for name, t in group:
-            off = _align(off, alignment)
-            metas.append(TensorMeta(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), offset=off,
-                                    nbytes=_nbytes(t)))
-            off += _nbytes(t)
-        buf, path, mm = self.buffer(index, max(off, 1))
-        for (_, t), m in zip(group, metas, strict=True):
-            if m.nbytes:
-                buf[m.offset:m.offset + m.nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
-        return Bucket(meta=BucketMeta(alignment=alignment, total_bytes=off, tensors=metas), buffer=buf[:off],
-                      path=path, _keepalive=mm)
+        meta = bucket_layout(group, alignment)
+        buf, path, mm = self.buffer(index, max(meta.total_bytes, 1))
+        fill_bucket(buf, group, meta)
+        return Bucket(meta=meta, buffer=buf[:meta.total_bytes], path=path, _keepalive=mm)
 
 
 def _align(n: int, a: int) -> int:
