@@ -169,8 +169,8 @@ MakeTrainer = Callable[[JobSpec], Trainer]
 
 
 class _Running:
-    def __init__(self, loop: TrainLoop, thread: threading.Thread, tb: Any) -> None:
-        self.loop, self.thread, self.tb = loop, thread, tb
+    def __init__(self, loop: TrainLoop, thread: threading.Thread, tb: Any, evaluator: Evaluator) -> None:
+        self.loop, self.thread, self.tb, self.evaluator = loop, thread, tb, evaluator
         self.driver: threading.Thread | None = None
 
 
@@ -411,7 +411,8 @@ class JobManager:
             loop.paused.set()
 
         self.loop_hook(loop)
-        run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb)
+        run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb,
+                       evaluator)
         if spec.data.source == "dataset":
             if self.gateway_url is None:
                 raise JobError(400, "this server cannot run dataset jobs (no gateway URL)", "no_gateway")
@@ -453,6 +454,7 @@ class JobManager:
             loop.stop.set()  # the dataset driver (if any) stops with the loop
             if run.driver is not None:
                 run.driver.join(timeout=120)
+            run.evaluator.close()
             loop.engines.close()
             if run.tb is not None:
                 run.tb.close()
@@ -468,6 +470,8 @@ class Evaluator:
         self.specs, self.base_url, self.api_key, self.on_event, self.tb = specs, base_url, api_key, on_event, tb
         self._lock = threading.Lock()
         self._running = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
         self._pending: tuple[list[EvalSpec], int, int] | None = None  # the newest round that came due meanwhile
 
     def maybe_run(self, step: int, version: int) -> None:
@@ -475,18 +479,29 @@ class Evaluator:
         if not due or self.base_url is None:
             return
         with self._lock:
+            if self._closed:
+                return
             if self._running:
                 self._pending = (due, step, version)
                 return
             self._running = True
-        threading.Thread(target=self._loop, args=(due, step, version), name="eval", daemon=True).start()
+            self._thread = threading.Thread(target=self._loop, args=(due, step, version), name="eval", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 120.0) -> None:
+        """No new rounds; wait for the one in progress (its sessions must not outlive the job)."""
+        with self._lock:
+            self._closed, self._pending = True, None
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     def _loop(self, specs: list[EvalSpec], step: int, version: int) -> None:
         job: tuple[list[EvalSpec], int, int] | None = (specs, step, version)
         while job is not None:
             self._run(*job)
             with self._lock:
-                job, self._pending = self._pending, None
+                job, self._pending = (None if self._closed else self._pending), None
                 if job is None:
                     self._running = False
 
