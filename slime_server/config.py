@@ -106,6 +106,8 @@ class TrainerSettings(_Section):
     colocate: bool = Field(False, description="ranks share the engines' devices: generation pauses while "
                            "a step trains and pushes (decoupled by default)")
     torch_threads: int = Field(1, ge=1)
+    max_tokens_per_micro_batch: int = Field(
+        2048, gt=0, description="packed micro-batch budget; CPU attention costs grow with its square")
     work_dir: str = Field("slime_server_jobs", description="checkpoints and TensorBoard runs, one dir per job")
     megatron_args: dict[str, Any] = Field(
         default_factory=dict, description="Megatron TransformerConfig overrides (from --megatron-key value flags)")

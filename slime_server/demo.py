@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from slime_server.config import ServerSettings
+from slime_server.utils.eval_args import parse_eval_data
 from slime_server.utils.net import find_free_port
 
 WEATHER_TOOL: dict[str, Any] = {
@@ -74,21 +75,67 @@ def play_episode(base_url: str, api_key: str | None, *, seed: int = 0) -> dict[s
 
 
 class DemoCommand:
-    help = "serve the tiny CPU model and play one recorded agent episode through the OpenAI SDK"
+    help = ("warm-start the tiny CPU model, train it by RL on the calculator environment through the whole "
+            "stack (progress, plot, summary), then keep serving it")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--port", type=int, default=None, help="gateway port (default: a free one)")
         parser.add_argument("--db-path", default=None, help="SQLite trajectory store (default: a temp dir)")
         parser.add_argument("--log-dir", default=None, help="engine and router logs (default: a temp dir)")
-        parser.add_argument("--episodes-only", action="store_true", help="exit after the episode instead of serving")
+        parser.add_argument("--work-dir", default=None, help="datasets, job files and the plot (default: a temp dir)")
+        parser.add_argument("--steps", type=int, default=None, help="RL steps (default 40)")
+        parser.add_argument("--sft-steps", type=int, default=None, help="warm-start SFT steps (default 400)")
+        parser.add_argument("--eval-every", type=int, default=None, help="evaluate the held-out set every N steps")
+        parser.add_argument("--lr", type=float, default=None, help="RL learning rate (default 1e-4)")
+        parser.add_argument("--sft-lr", type=float, default=None, help="warm-start SFT peak learning rate (default 1e-3)")
+        parser.add_argument("--eval-prompts", type=int, default=None, help="held-out problems per evaluation (default 64)")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--eval-data", action="append", default=[], metavar="NAME=PATH",
+                            help="extra JSONL eval set for the calculator environment (repeatable)")
+        parser.add_argument("--no-learn", action="store_true",
+                            help="skip the warm start and RL: play one recorded episode on the base model")
+        parser.add_argument("--exit", action="store_true", help="exit at the end instead of serving")
+        parser.add_argument("--episodes-only", action="store_true", help="same as --no-learn --exit")
+
+    def learning_settings(self, args: argparse.Namespace) -> Any:
+        from slime_server.demo_learning import DemoLearningSettings
+
+        values = DemoLearningSettings(seed=args.seed).model_dump()
+        if args.steps is not None:
+            values["rl_steps"] = args.steps
+        if args.eval_every is not None:
+            values["eval_every"] = args.eval_every
+        if args.sft_steps is not None:
+            values["sft"]["steps"] = args.sft_steps
+        if args.sft_lr is not None:
+            values["sft"]["lr"] = args.sft_lr
+        if args.lr is not None:
+            values["lr"] = args.lr
+        if args.eval_prompts is not None:
+            values["eval_prompts"] = args.eval_prompts
+        return DemoLearningSettings.model_validate(values)
 
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
         import tempfile
 
         from slime_server.api.serve_cmd import RunningServer, start_server
         from slime_server.cli import run_until_signal
+        from slime_server.launch import resolve_model_path
 
-        work = Path(tempfile.mkdtemp(prefix="slime-demo-"))
+        no_learn = args.no_learn or args.episodes_only
+        exit_at_end = args.exit or args.episodes_only
+        work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="slime-demo-"))
+        work.mkdir(parents=True, exist_ok=True)
+        eval_sets = parse_eval_data(args.eval_data)
+        learn = None if no_learn else self.learning_settings(args)
+        if learn is not None:
+            from slime_server.demo_learning import ensure_warm_start
+
+            warm = ensure_warm_start(resolve_model_path(settings.engine.model), learn)
+            trainer = settings.trainer.model_copy(update={
+                "work_dir": str(work / "jobs"), "torch_threads": max(settings.trainer.torch_threads, 2)})
+            settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"model": str(warm)}),
+                                                   "trainer": trainer})
         gw_settings = settings.gateway.model_copy(update={
             "port": args.port or find_free_port(), "db_path": args.db_path or str(work / "trajectories.db")})
 
@@ -98,13 +145,17 @@ class DemoCommand:
             try:
                 print(f"[demo] up in {time.monotonic() - t0:.1f}s: openai_base_url: {running.base_url} "
                       f"({len(running.deployment.engine_urls)} engine(s), db {gw_settings.db_path})", flush=True)
-                play_episode(running.base_url, gw_settings.api_key)
+                if learn is None:
+                    play_episode(running.base_url, gw_settings.api_key)
+                else:
+                    learn_and_report(running, gw_settings.admin_api_key or gw_settings.api_key, learn, work,
+                                     eval_sets)
             except BaseException:
                 running.stop()
                 raise
             return running
 
-        if args.episodes_only:
+        if exit_at_end:
             start_and_play().stop()
             print("[demo] stopped", flush=True)
             return 0
@@ -117,3 +168,19 @@ class DemoCommand:
         code = run_until_signal(start, lambda running: running.stop())
         print("[demo] stopped", flush=True)
         return code
+
+
+def learn_and_report(running: Any, admin_key: str | None, learn: Any, work: Path,
+                     eval_sets: list[tuple[str, str]]) -> None:
+    from slime_server.demo_learning import run_rl
+
+    root = running.base_url.removesuffix("/v1")
+    result = run_rl(root, admin_key, learn, work, extra_evals=eval_sets)
+    held = [e for e in result.evals if e["name"] == "held_out"]
+    print("[demo] summary: " + json.dumps({
+        "job_id": result.job_id, "rl_steps": result.steps, "rl_seconds": round(result.seconds, 1),
+        "success_before": result.before, "success_after": result.after,
+        "gain_points": round(100 * (result.after - result.before), 1),
+        "curve": [(e["step"], e["success_rate"]) for e in held],
+        "other_evals": [(e["name"], e["step"], e["success_rate"]) for e in result.evals if e["name"] != "held_out"],
+        "plot": result.plot}), flush=True)

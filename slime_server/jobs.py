@@ -72,7 +72,8 @@ class PacingSpec(_Strict):
 
 
 class EvalSpec(_Strict):
-    """An evaluation set: greedy episodes through the same runner, serve-only, never trained on."""
+    """An evaluation set: episodes through the same runner (greedy by default, or sampled with fixed
+    seeds: the same random numbers for every policy version), serve-only, never trained on."""
 
     name: str = Field(min_length=1, max_length=100)
     environment: str
@@ -82,6 +83,7 @@ class EvalSpec(_Strict):
     every_steps: int = Field(10, ge=1, description="evaluate after every N training steps (and at step 0)")
     max_tokens: int = Field(64, ge=1)
     concurrency: int = Field(8, ge=1)
+    temperature: float = Field(0.0, ge=0, description="0 = greedy; > 0 samples with seeds from `seed`")
 
     @model_validator(mode="after")
     def _check(self) -> EvalSpec:
@@ -91,6 +93,10 @@ class EvalSpec(_Strict):
         if self.dataset is not None and not Path(self.dataset).is_file():
             raise ValueError(f"eval dataset {self.dataset!r} is not a file")
         return self
+
+
+# estimators whose baseline is the group mean (a group of one learns nothing)
+GROUP_BASELINES = ("grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline")
 
 
 class JobSpec(_Strict):
@@ -104,6 +110,7 @@ class JobSpec(_Strict):
     loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (eps_clip, kl_coef, ...)")
     optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))
     pacing: PacingSpec = Field(default_factory=PacingSpec)
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="default: the server's trainer setting")
     eval: list[EvalSpec] = Field(default_factory=list, description="evaluated on a schedule, per policy version")
 
     @model_validator(mode="after")
@@ -116,6 +123,17 @@ class JobSpec(_Strict):
             get_environment(self.data.environment)  # unknown names fail at submit time
             if self.data.dataset is not None and not Path(self.data.dataset).is_file():
                 raise ValueError(f"data.dataset {self.data.dataset!r} is not a file")
+            need = self.loop.batch_size + self.data.concurrency
+            if self.pacing.max_buffered < need:
+                # the buffer holds < batch_size samples of complete groups plus the members of the groups
+                # in flight (< concurrency); a smaller limit can pace out the episodes that would complete a
+                # group while the trainer waits for complete groups: a deadlock
+                raise ValueError(f"pacing.max_buffered ({self.pacing.max_buffered}) must be >= loop.batch_size + "
+                                 f"data.concurrency ({need}) for a dataset job")
+        if self.loop.n_samples_per_prompt == 1 and self.estimator() in GROUP_BASELINES:
+            raise ValueError(f"algorithm {self.algorithm!r} subtracts its group's mean reward: with "
+                             "loop.n_samples_per_prompt 1 every advantage is 0; use 'reinforce_plus_plus' (batch "
+                             "baseline) or groups of n >= 2")
         LossConfig(**self.loss_config())  # fail at submit time, not in the trainer
         return self
 
@@ -222,8 +240,11 @@ class JobManager:
     def __init__(self, store: TrajectoryStore, jobs: SQLiteJobStore, make_trainer: MakeTrainer,
                  engine_urls: Callable[[], list[str]], work_dir: str | Path, *, served_model: str | None = None,
                  loop_hook: Callable[[TrainLoop], None] | None = None, gateway_url: str | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, default_evals: list[tuple[str, str]] | None = None,
+                 default_eval_env: str | None = None) -> None:
         self.store = store
+        self.default_evals = default_evals or []  # (name, JSONL path) from `serve --eval-data`
+        self.default_eval_env = default_eval_env
         self.gateway_url = gateway_url  # this server's /v1, for dataset jobs' in-process agent runner
         self.api_key = api_key
         self.jobs = jobs
@@ -238,7 +259,16 @@ class JobManager:
         self._buffered_cache: tuple[float, int] = (0.0, 0)
 
     # ---------------------------------------------------------------- REST operations
+    def with_default_evals(self, spec: JobSpec) -> JobSpec:
+        """The server's ``--eval-data`` sets, for a job that names no eval set of its own."""
+        env = self.default_eval_env or (spec.data.environment if spec.data.source == "dataset" else None)
+        if spec.eval or not self.default_evals or env is None:
+            return spec
+        return spec.model_copy(update={"eval": [EvalSpec(name=name, environment=env, dataset=path)
+                                                for name, path in self.default_evals]})
+
     def create(self, spec: JobSpec) -> JobView:
+        spec = self.with_default_evals(spec)
         if spec.base_model is not None and self.served_model is not None and spec.base_model != self.served_model:
             raise JobError(400, f"base_model {spec.base_model!r} is not the served model {self.served_model!r}; "
                            "a live job trains the policy the engines serve", "invalid_value")
@@ -518,7 +548,7 @@ class Evaluator:
                                                                                                       seed=e.seed)
                 runner = AgentRunner(env, RunnerSettings(
                     base_url=self.base_url or "", api_key=self.api_key or "none", n_samples_per_prompt=1,
-                    concurrency=e.concurrency, temperature=0.0, max_tokens=e.max_tokens, seed=e.seed,
+                    concurrency=e.concurrency, temperature=e.temperature, max_tokens=e.max_tokens, seed=e.seed,
                     post_rewards=False, serve_only=True))
                 try:
                     summary = asyncio.run(runner.run(rows))

@@ -198,7 +198,7 @@ def _stop_actor(actor: Any) -> None:
 
 
 def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer: Any, loss: dict[str, Any],
-                        temperature: float = 1.0) -> Any:
+                        temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None) -> Any:
     """Megatron-core ranks for one job as Ray actors (TP x DP over gloo on CPU, nccl on GPU), set up.
 
     Colocated ranks reserve no CPU of their own: they share the engines' share and the loop pauses
@@ -210,7 +210,9 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
 
     rank_settings = TrainerRankSettings(
         hf_path=model_path, tp_size=trainer.tp_size, optimizer=optimizer, torch_threads=trainer.torch_threads,
-        train=TrainStepSettings(temperature=temperature, loss=LossConfig(**loss)),
+        train=TrainStepSettings(temperature=temperature, loss=LossConfig(**loss),
+                                max_tokens_per_micro_batch=max_tokens_per_micro_batch
+                                or trainer.max_tokens_per_micro_batch),
         megatron_args=trainer.megatron_args)
     group = TrainerGroup(rank_settings, trainer.num_ranks,
                          num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,

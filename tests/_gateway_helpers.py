@@ -117,7 +117,7 @@ def tool_conversation() -> list[dict]:
     ]
 
 
-TOOL_MODEL_VERSION = "1"
+TOOL_MODEL_VERSION = "2"
 
 
 def cached_tool_model(base: Path) -> Path:
@@ -152,9 +152,12 @@ def train_tool_model(base: Path, out: Path, steps: int = 80) -> Path:
     conv = tool_conversation()
     ids: list[int] = []
     mask: list[int] = []
-    for k in (1,):  # the assistant's call, trained in its rendered context
-        ctx = tok.apply_chat_template(conv[:k], tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
-        full = tok.apply_chat_template(conv[: k + 1], tools=[WEATHER_TOOL], tokenize=False)
+    # the assistant's call, trained in its rendered context; also with the tool as the OpenAI Agents SDK
+    # sends it (an explicit "strict": false), so the client tests see a real call from that SDK too
+    agents_sdk_tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": False}}
+    for k, tool in ((1, WEATHER_TOOL), (1, agents_sdk_tool)):
+        ctx = tok.apply_chat_template(conv[:k], tools=[tool], tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(conv[: k + 1], tools=[tool], tokenize=False)
         assert full.startswith(ctx)
         c = tok.encode(ctx, add_special_tokens=False)
         target = tok.encode(full[len(ctx):].rstrip("\n"), add_special_tokens=False)

@@ -45,3 +45,69 @@ def test_agent_cli_runs_and_reports(gateway: GatewayProc, capsys: pytest.Capture
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["episodes"] == 4 and summary["groups"] == 2 and summary["errors"] == 0
     assert main(["agent", "run", "--env", "no-such-env", "--base-url", gateway.base_url]) == 2
+
+
+def _paced_upstream(refusals: int):
+    """An upstream that answers buffer pacing (429 + Retry-After) ``refusals`` times before serving:
+    the server's side is not the unit here, the runner's reaction is."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+    calls = {"chat": 0}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "t"}]}
+
+    @app.post("/v1/sessions")
+    def session() -> dict:
+        return {"id": "s1"}
+
+    @app.post("/v1/sessions/{sid}/reward")
+    @app.post("/v1/sessions/{sid}/close")
+    def ok(sid: str) -> dict:
+        return {"ok": True}
+
+    @app.post("/v1/chat/completions")
+    def chat() -> JSONResponse:
+        calls["chat"] += 1
+        if calls["chat"] <= refusals:
+            return JSONResponse({"error": {"message": "buffer full", "type": "rate_limit_error", "param": None,
+                                           "code": "buffer_full"}}, status_code=429, headers={"Retry-After": "0.05"})
+        return JSONResponse({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                             "choices": [{"index": 0, "finish_reason": "stop",
+                                          "message": {"role": "assistant", "content": "The answer is 7."}}],
+                             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    return app, calls
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_pacing_is_waited_out_not_failed(wait: bool) -> None:
+    import threading
+    import time
+
+    import uvicorn
+
+    from slime_server.envs.base import DatasetRow
+    from slime_server.utils.net import find_free_port
+
+    app, calls = _paced_upstream(refusals=6)
+    port = find_free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        runner = AgentRunner(CalculatorEnv(), RunnerSettings(base_url=f"http://127.0.0.1:{port}/v1", max_retries=1,
+                                                             n_samples_per_prompt=1, wait_when_paced=wait))
+        summary = asyncio.run(runner.run([DatasetRow(prompt="Ana has 4 apples and buys 3 more.", label="7")]))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    if wait:  # six refusals, more than the SDK's own retries: still one successful, rewarded episode
+        assert summary.errors == 0 and summary.results[0].reward == 1.0 and calls["chat"] == 7
+    else:
+        assert summary.errors == 1 and "RateLimitError" in (summary.results[0].error or "")

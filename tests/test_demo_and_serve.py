@@ -55,7 +55,8 @@ def test_demo_records_an_episode_then_serves_until_sigterm(tiny_model_path: Path
     assert tiny_model_path.exists()
     port = find_free_port()
     db = tmp_path / "demo.db"
-    proc = _start(["demo", "--model", "tiny", "--num-engines", "2", "--ray-num-cpus", "2", "--port", str(port),
+    proc = _start(["demo", "--no-learn", "--model", "tiny", "--num-engines", "2", "--ray-num-cpus", "2",
+                   "--port", str(port),
                    "--db-path", str(db), "--log-dir", str(tmp_path / "logs")])
     tree: dict[int, str] = {}
     try:

@@ -168,7 +168,8 @@ def test_drift_starts_a_counted_segment(gateway: GatewayProc) -> None:
     hdr = {"X-Session-Id": sid}
     messages: list[dict] = [{"role": "user", "content": "Hi"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, seed=1, extra_headers=hdr)
-    messages += [{"role": "assistant", "content": (r.choices[0].message.content or "") + " EDITED"},
+    # the client rewrites the answer (an append could still be a token-exact extension of a cut answer)
+    messages += [{"role": "assistant", "content": "EDITED " + (r.choices[0].message.content or "")},
                  {"role": "user", "content": "And?"}]
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, seed=2, extra_headers=hdr)
     info = httpx.get(f"{gateway.base_url}/sessions/{sid}", timeout=30).json()

@@ -4,13 +4,15 @@ For each dataset row it opens ``n_samples_per_prompt`` sessions sharing one grou
 group), runs the chat/tool loop (the model calls tools, the environment answers, up to
 ``max_turns``), posts the episode's reward, and closes the session; the server's buffer then
 holds one rewarded trajectory per episode, in groups, ready for a job. Async with bounded
-concurrency; 429 (buffer pacing) and transient errors are retried by the SDK with backoff,
-honouring ``Retry-After``.
+concurrency; transient errors are retried by the SDK with backoff and 429 (buffer pacing) is waited out
+as its ``Retry-After`` says, without limit (``wait_when_paced``): a failed episode would leave its
+group incomplete.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import time
 import uuid
@@ -21,6 +23,8 @@ import httpx
 from pydantic import BaseModel, Field
 
 from slime_server.envs.base import DatasetRow, Environment
+
+log = logging.getLogger(__name__)
 
 
 class RunnerSettings(BaseModel):
@@ -36,6 +40,9 @@ class RunnerSettings(BaseModel):
     timeout_s: float = Field(300.0, gt=0)
     post_rewards: bool = Field(True, description="False for evaluation runs that must not train")
     serve_only: bool = Field(False, description="mark sessions serve-only (never paced, e.g. evaluation)")
+    wait_when_paced: bool = Field(
+        True, description="a 429 from buffer pacing is back-pressure, not a failure: keep waiting as its Retry-After "
+        "says (a failed episode would leave its group incomplete, and the trainer waits for whole groups)")
 
 
 class EpisodeResult(BaseModel):
@@ -96,6 +103,22 @@ class AgentRunner:
         async with sem:
             return await self.episode(*args)
 
+    async def _create(self, client: Any, **kw: Any) -> Any:
+        """``chat.completions.create``, waiting out buffer pacing (429) when ``wait_when_paced``."""
+        from openai import RateLimitError
+
+        while True:
+            try:
+                return await client.chat.completions.create(**kw)
+            except RateLimitError as e:
+                if not self.settings.wait_when_paced:
+                    raise
+                try:
+                    delay = float(e.response.headers.get("retry-after", "1"))
+                except ValueError:
+                    delay = 1.0
+                await asyncio.sleep(min(max(delay, 0.1), 30.0))
+
     async def episode(self, client: Any, rest: httpx.AsyncClient, model: str, row: DatasetRow, group: str,
                       seed: int | None, on_episode: Callable[[EpisodeResult], None] | None = None) -> EpisodeResult:
         s = self.settings
@@ -108,8 +131,8 @@ class AgentRunner:
         try:
             for turn in range(self.env.max_turns):
                 turns = turn + 1
-                resp = await client.chat.completions.create(
-                    model=model, messages=state.messages, tools=state.tools or None, temperature=s.temperature,
+                resp = await self._create(
+                    client, model=model, messages=state.messages, tools=state.tools or None, temperature=s.temperature,
                     max_tokens=s.max_tokens, seed=None if seed is None else seed + turn,
                     extra_headers={"X-Session-Id": sid},
                     metadata={"serve_only": "true"} if s.serve_only else None)
@@ -124,6 +147,7 @@ class AgentRunner:
             reward = self.env.reward(state, final_text)
         except Exception as e:  # noqa: BLE001 - an episode that failed is reported, with reward 0
             reward, error = 0.0, repr(e)[:500]
+            log.warning("episode %s failed: %s", sid, error)
         if s.post_rewards and error is None:
             (await rest.post(f"/sessions/{sid}/reward", json={"reward": reward, "idempotency_key": f"{sid}-final"})
              ).raise_for_status()

@@ -38,6 +38,7 @@ class Gateway:
     sessions: Any  # slime_server.sessions.SessionManager
     store: Any  # slime_server.buffer.store.TrajectoryStore
     jobs: Any = None  # slime_server.jobs.JobManager when a trainer is attached (serve); None: serving only
+    feedback: Any = None  # slime_server.online.feedback.ImplicitFeedback with `serve --online`
     inflight: InflightRegistry = field(default_factory=InflightRegistry)
     tool_parser: ToolCallParser = field(init=False)
     reasoning: ReasoningParser | None = field(init=False)

@@ -172,12 +172,26 @@ def outcome(out: GenerateOutput, index: int, message: ResponseMessage) -> record
 # ----------------------------------------------------------------------------- request flow
 
 
-class ChatTurn:
-    """One chat request from validation to recorded result (shared by plain and streamed answers)."""
+def is_side_turn(header: str | None, metadata: dict[str, str] | None) -> bool:
+    """``X-Turn-Type: side`` (or ``metadata.turn_type``): a tool-internal or background call."""
+    value = (header or (metadata or {}).get("turn_type") or "main").strip().lower()
+    if value not in ("main", "side"):
+        raise bad_request(f"turn type must be 'main' or 'side', got {value!r}", param="X-Turn-Type")
+    return value == "side"
 
-    def __init__(self, gw: Gateway, req: ChatCompletionRequest) -> None:
+
+class ChatTurn:
+    """One chat request from validation to recorded result (shared by plain and streamed answers).
+
+    A *side* turn (tool-internal or background call inside an agent's session) is served and
+    recorded, but in a one-turn session of its own: it never merges into the session's trajectory,
+    is never judged, and is not trained on unless someone rewards that one-turn session.
+    """
+
+    def __init__(self, gw: Gateway, req: ChatCompletionRequest, *, side: bool = False) -> None:
         self.gw = gw
         self.req = req
+        self.side = side
         self.response_id = new_id("chatcmpl")
         choice = req.tool_choice
         self.prefill = ""
@@ -192,12 +206,16 @@ class ChatTurn:
     async def prepare(self, principal: Principal, header_session_id: str | None) -> dict[str, Any]:
         """Resolve the session, get prompt ids, build the engine request."""
         req, gw = self.req, self.gw
-        session_id = resolve_session(principal, header_session_id, req.metadata)
+        session_id = resolve_session(principal, header_session_id, req.metadata)  # checks the key's rights
+        if self.side:
+            session_id = None
         await gw.admit(session_id, req.metadata)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prefill_ids = gw.renderer.encode(self.prefill) if self.prefill else []
         self.prepared = await recording.prepare_turn(gw.sessions, session_id, messages, tools, req.n, prefill_ids)
+        if gw.feedback is not None and not self.side:
+            gw.feedback.on_turn_prepared(self.prepared, tools)
         prompt_ids = list(self.prepared.prompt_ids)
         params = sampling_params(
             gw, prompt_len=len(prompt_ids), max_tokens=req.max_completion_tokens or req.max_tokens,
@@ -220,8 +238,8 @@ class ChatTurn:
 
 
 async def chat_completion(gw: Gateway, req: ChatCompletionRequest, principal: Principal,
-                          header_session_id: str | None) -> ChatCompletionResponse:
-    turn = ChatTurn(gw, req)
+                          header_session_id: str | None, *, side: bool = False) -> ChatCompletionResponse:
+    turn = ChatTurn(gw, req, side=side)
     call = await turn.prepare(principal, header_session_id)
     outs = await gw.generate(turn.prepared.session_id, turn.response_id, call["input_ids"], call["sampling_params"],
                              return_logprob=True, top_logprobs_num=call["top_logprobs_num"])
@@ -309,9 +327,9 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 
 
 async def chat_stream(gw: Gateway, req: ChatCompletionRequest, principal: Principal,
-                      header_session_id: str | None) -> tuple[ChatTurn, dict[str, Any]]:
+                      header_session_id: str | None, *, side: bool = False) -> tuple[ChatTurn, dict[str, Any]]:
     """Validate and prepare before the HTTP response starts (so errors are real 4xx statuses)."""
-    turn = ChatTurn(gw, req)
+    turn = ChatTurn(gw, req, side=side)
     call = await turn.prepare(principal, header_session_id)
     return turn, call
 

@@ -35,6 +35,8 @@ router = APIRouter(prefix="/v1", responses=ERRORS)
 GW = Annotated[Gateway, Depends(get_gateway)]
 Caller = Annotated[Principal, Depends(get_principal)]
 SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", max_length=200)]
+TurnTypeHeader = Annotated[str | None, Header(alias="X-Turn-Type", max_length=20,
+                                              description="main (default) | side: served, recorded, never trained")]
 
 
 @router.get("/models", response_model=ModelList)
@@ -51,11 +53,12 @@ async def get_model(model_id: str, gw: GW, _: Caller) -> ModelCard:
 @router.post("/chat/completions", response_model=ChatCompletionResponse,
              responses={200: {"content": {"text/event-stream": {}}}})
 async def chat_completions(req: ChatCompletionRequest, gw: GW, principal: Caller,
-                           x_session_id: SessionHeader = None):
+                           x_session_id: SessionHeader = None, x_turn_type: TurnTypeHeader = None):
     openai_chat.validate_chat(gw, req)
+    side = openai_chat.is_side_turn(x_turn_type, req.metadata)
     if not req.stream:
-        return await openai_chat.chat_completion(gw, req, principal, x_session_id)
-    turn, call = await openai_chat.chat_stream(gw, req, principal, x_session_id)
+        return await openai_chat.chat_completion(gw, req, principal, x_session_id, side=side)
+    turn, call = await openai_chat.chat_stream(gw, req, principal, x_session_id, side=side)
     return StreamingResponse(openai_chat.stream_events(gw, turn, call), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

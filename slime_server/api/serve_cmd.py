@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from slime_server.config import GatewaySettings, ServerSettings
+from slime_server.online.feedback import OnlineSettings
+from slime_server.online.preset import add_online_arguments, judge_settings, online_job_spec
 
 
 class GatewayThread:
@@ -61,7 +63,8 @@ class RunningServer:
             self.deployment.shutdown()
 
 
-def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls: Any) -> Any:
+def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls: Any,
+                default_evals: list[tuple[str, str]] | None = None, eval_env: str | None = None) -> Any:
     """A JobManager over the gateway's store (jobs in the same SQLite file), restored from it."""
     from slime_server.buffer.job_store import SQLiteJobStore
     from slime_server.jobs import JobManager, JobSpec
@@ -70,7 +73,10 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     tr = settings.trainer
 
     def make_trainer(spec: JobSpec) -> Any:
-        return start_trainer_group(model_path, tr, optimizer=spec.optimizer, loss=spec.loss_config())
+        temperature = spec.data.temperature if spec.data.source == "dataset" and spec.data.temperature > 0 else 1.0
+        return start_trainer_group(model_path, tr, optimizer=spec.optimizer, loss=spec.loss_config(),
+                                   temperature=temperature,
+                                   max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch)
 
     def colocated(loop: Any) -> None:
         if tr.colocate:  # the ranks share the engines' devices: never generate while they step
@@ -79,7 +85,8 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     host = "127.0.0.1" if gw.settings.host in ("0.0.0.0", "::") else gw.settings.host
     jobs = JobManager(gw.store, SQLiteJobStore(gw.settings.db_path), make_trainer, engine_urls, tr.work_dir,
                       served_model=gw.model_name, loop_hook=colocated,
-                      gateway_url=f"http://{host}:{gw.settings.port}/v1", api_key=gw.settings.api_key)
+                      gateway_url=f"http://{host}:{gw.settings.port}/v1", api_key=gw.settings.api_key,
+                      default_evals=default_evals or [], default_eval_env=eval_env)
     gw.jobs = jobs
     restored = jobs.restore()
     if restored:
@@ -87,8 +94,34 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     return jobs
 
 
+def attach_online(gw: Any, online: Any, gw_settings: GatewaySettings) -> None:
+    """Implicit feedback on the gateway; a judge without a URL is this server's own /v1."""
+    from slime_server.online.feedback import ImplicitFeedback
+    from slime_server.online.judge import Judge
+
+    judge_settings = online.judge
+    if judge_settings.base_url is None and gw_settings.api_key:
+        judge_settings = judge_settings.model_copy(update={"api_key": gw_settings.api_key})
+    host = "127.0.0.1" if gw_settings.host in ("0.0.0.0", "::") else gw_settings.host
+    gw.feedback = ImplicitFeedback(gw, online, Judge(judge_settings, f"http://{host}:{gw_settings.port}/v1"))
+
+
+def start_online_job(jobs: Any, body: dict[str, Any]) -> None:
+    """The online preset's live job, unless a job is already active (e.g. restored after a restart)."""
+    from slime_server.jobs import ACTIVE, JobSpec
+
+    active = [j.id for j in jobs.list() if j.status in ACTIVE]
+    if active:
+        print(f"online: job {active[0]} is active; not starting another", flush=True)
+        return
+    view = jobs.create(JobSpec.model_validate(body))
+    print(f"online job: {view.id}", flush=True)
+
+
 def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir: str | Path | None,
-                 *, trainer: bool = True) -> RunningServer:
+                 *, trainer: bool = True, default_evals: list[tuple[str, str]] | None = None,
+                 eval_env: str | None = None, online: Any = None, online_job: dict[str, Any] | None = None
+                 ) -> RunningServer:
     """Engines + router under Ray, the job manager (trainer ranks start per job), the gateway in front."""
     from slime_server.api.server import build_gateway
     from slime_server.launch import Deployment, resolve_model_path
@@ -100,8 +133,12 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
         print(f"router_url: {dep.router_url}", flush=True)
         app = build_gateway(dep.router_url, model_path, gw_settings)
         if trainer:
-            jobs = attach_jobs(app.state.gw, settings, model_path, lambda: dep.engine_urls)
+            jobs = attach_jobs(app.state.gw, settings, model_path, lambda: dep.engine_urls, default_evals, eval_env)
+        if online is not None:
+            attach_online(app.state.gw, online, gw_settings)
         gateway = GatewayThread(app, gw_settings.host, gw_settings.port).start()
+        if online_job is not None and jobs is not None:
+            start_online_job(jobs, online_job)
     except BaseException:
         if jobs is not None:
             jobs.shutdown()
@@ -121,9 +158,18 @@ class ServeCommand:
         parser.add_argument("--no-trainer", action="store_true", help="serve and record only (no /jobs)")
         parser.add_argument("--db-path", default=None, help="SQLite trajectory store file")
         parser.add_argument("--log-dir", default=None, help="engine and router logs (default: a temp dir)")
+        parser.add_argument("--eval-data", action="append", default=[], metavar="NAME=PATH",
+                            help="JSONL eval set played greedily on a schedule for every job that names none "
+                                 "(repeatable); environment: --eval-env or the job's data.environment")
+        parser.add_argument("--eval-env", default=None, help="environment of the --eval-data sets")
+        add_online_arguments(parser)
 
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
         from slime_server.cli import run_until_signal
+        from slime_server.utils.eval_args import parse_eval_data
+
+        evals = parse_eval_data(args.eval_data)
+        online = OnlineSettings(judge=judge_settings(args), opd=args.opd_weight > 0) if args.online else None
 
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
                                        ("admin_api_key", args.admin_api_key), ("db_path", args.db_path))
@@ -131,7 +177,9 @@ class ServeCommand:
         gw_settings = settings.gateway.model_copy(update=overrides)
 
         def start() -> RunningServer:
-            running = start_server(settings, gw_settings, args.log_dir, trainer=not args.no_trainer)
+            running = start_server(settings, gw_settings, args.log_dir, trainer=not args.no_trainer,
+                                   default_evals=evals, eval_env=args.eval_env, online=online,
+                                   online_job=online_job_spec(args) if args.online and not args.no_trainer else None)
             print(f"openai_base_url: {running.base_url}", flush=True)
             return running
 

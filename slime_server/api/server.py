@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reasoning-parser", default="qwen3", help='"" disables')
     ap.add_argument("--engine-supports-penalties", action="store_true")
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--online", action="store_true", help="implicit feedback: judge turns from the user's next one")
+    ap.add_argument("--judge-url", default=None, help="judge /v1 (default: this gateway)")
+    ap.add_argument("--judge-model", default=None)
+    ap.add_argument("--judge-votes", type=int, default=1)
+    ap.add_argument("--no-opd", action="store_true", help="do not score judge hints with the hinted teacher")
     a = ap.parse_args(argv)
     settings = GatewaySettings(host=a.host, port=a.port, db_path=a.db_path, api_key=a.api_key,
                                served_model_name=a.served_model_name, tool_parser=a.tool_parser,
@@ -52,6 +57,13 @@ def main(argv: list[str] | None = None) -> None:
                                engine_supports_penalties=a.engine_supports_penalties)
     logging.basicConfig(level=a.log_level.upper())
     app = build_gateway(a.router_url, a.model_path, settings)
+    if a.online:
+        from slime_server.api.serve_cmd import attach_online
+        from slime_server.online.feedback import OnlineSettings
+        from slime_server.online.judge import JudgeSettings
+
+        attach_online(app.state.gw, OnlineSettings(opd=not a.no_opd, judge=JudgeSettings(
+            base_url=a.judge_url, model=a.judge_model, votes=a.judge_votes)), settings)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
 
 

@@ -35,6 +35,7 @@ class TrajectoryView(BaseModel):
     turn_rewards: list[float | None] = []
     num_tokens: int
     num_generated_tokens: int
+    metadata: dict[str, Any] = {}
 
 
 class TrajectorySummary(BaseModel):
@@ -70,7 +71,7 @@ def trajectory_view(t: Any) -> TrajectoryView:
         status=t.status, tokens=t.tokens, loss_mask=t.loss_mask, rollout_logprobs=t.rollout_logprobs,
         weight_versions=t.weight_versions, turns=[TurnView.model_validate(x, from_attributes=True) for x in t.turns],
         reward=t.reward, turn_rewards=list(t.turn_rewards), num_tokens=len(t.tokens),
-        num_generated_tokens=sum(t.loss_mask))
+        num_generated_tokens=sum(t.loss_mask), metadata=t.metadata)
 
 
 def session_view(s: Any, trajs: list[Any]) -> SessionView:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 CHAT_TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
 # Qwen-style specials: the first three are control tokens (skipped when decoding), the
@@ -178,13 +178,30 @@ _WORDS = (
     "please thanks sure here is the answer compute what is how many buy sell give take has have"
 ).split()
 _TOOL_NAMES = ["calculator", "search", "python", "get_weather", "lookup", "run_code"]
+# Instruction text the chat template and the built-in environments put in every prompt: in the
+# corpus so BPE merges it and prompts stay short (the CPU demo trains on them; shorter is faster).
+_INSTRUCTIONS = [
+    "# Tools\n\nYou may call one or more functions to assist with the user query.",
+    "You are provided with function signatures within <tools></tools> XML tags:",
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:",
+    '{"name": <function-name>, "arguments": <args-json-object>}',
+    "Solve the problem. Use the calculator tool for arithmetic, then state the final answer as a number.",
+    "Evaluate an arithmetic expression such as (3 + 4) * 2.",
+    "Write Python code. You may run code with the python tool. Give the final code in a ```python block.",
+    "Answer the question. Use the search tool to find facts. Give the final answer in <answer></answer>.",
+    "You are a helpful assistant.",
+    "has apples and buys more. How many apples does have now? had coins and spent. How many coins are left?",
+    "A box holds pencils. How many pencils are in boxes? cookies are shared equally among children. "
+    "How many does each child get? The answer is",
+]
 
 
 def synthetic_corpus(seed: int, n_lines: int = 6000):
     """Yield deterministic training text: prose, arithmetic, JSON tool calls, code."""
     rng = random.Random(seed)
     for i in range(n_lines):
-        kind = i % 5
+        kind = i % 6
         if kind == 0:
             yield " ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 20))).capitalize() + "."
         elif kind == 1:
@@ -203,6 +220,8 @@ def synthetic_corpus(seed: int, n_lines: int = 6000):
                       "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                                      "required": ["expression"]}}}
             yield json.dumps(schema)
+        elif kind == 4:
+            yield " ".join(rng.sample(_INSTRUCTIONS, 3))
         else:
             v = rng.choice(["x", "y", "total", "n", "result"])
             yield (f"def f({v}):\n    return {v} * {rng.randint(2, 9)} + {rng.randint(0, 9)}\n"

@@ -37,12 +37,17 @@ from pydantic import BaseModel, Field
 
 from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
-from slime_server.trainer.advantages import AdvantageConfig, compute_advantages
+from slime_server.trainer.advantages import AdvantageConfig, compute_advantages, opd_advantages
 from slime_server.trainer.types import TrainSample
 
 log = logging.getLogger(__name__)
 
 StalePolicy = Literal["drop", "downweight", "keep"]
+
+
+class OPDWeights(BaseModel):
+    w_rl: float = Field(1.0, ge=0)
+    w_opd: float = Field(1.0, ge=0)
 
 
 class LoopSettings(BaseModel):
@@ -63,6 +68,8 @@ class LoopSettings(BaseModel):
     poll_interval_s: float = Field(0.2, gt=0)
     bucket_bytes: int | None = Field(None, ge=1, description="update_weight_buffer_size; None = 512 MiB")
     advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(estimator="reinforce_plus_plus"))
+    opd: OPDWeights | None = Field(None, description="on-policy distillation for samples carrying teacher "
+                                   "log-probs (online hints): A = w_rl * A + w_opd * (teacher - student)")
 
 
 class Trainer(Protocol):
@@ -111,9 +118,20 @@ def min_version(t: Trajectory) -> int | None:
 
 
 def to_train_sample(t: Trajectory) -> TrainSample:
+    teacher = t.metadata.get("teacher_logprobs")  # online hints (online/feedback.py), aligned to tokens
     return TrainSample(tokens=t.tokens, loss_mask=t.loss_mask, rollout_logprobs=t.rollout_logprobs,
                        reward=float(t.reward or 0.0), group_id=t.group_id, weight_versions=t.weight_versions,
-                       sample_id=t.id)
+                       sample_id=t.id,
+                       teacher_logprobs=teacher if isinstance(teacher, list) and len(teacher) == len(t.tokens)
+                       else None)
+
+
+def with_opd(samples: list[TrainSample], weights: OPDWeights | None) -> list[TrainSample]:
+    """Add the distillation term to the samples that carry teacher log-probs (others unchanged)."""
+    if weights is None:
+        return samples
+    return [opd_advantages([s], w_rl=weights.w_rl, w_opd=weights.w_opd)[0] if s.teacher_logprobs is not None else s
+            for s in samples]
 
 
 class EngineControl:
@@ -293,7 +311,7 @@ class TrainLoop:
         assert self.trainer is not None
         s = self.settings
         t0 = time.monotonic()
-        samples = compute_advantages([to_train_sample(t) for t in batch.trajectories], s.advantage)
+        samples = with_opd(compute_advantages([to_train_sample(t) for t in batch.trajectories], s.advantage), s.opd)
         downweighted = 0
         if s.stale_policy == "downweight" and s.max_staleness is not None:
             for i, lag in enumerate(batch.lags):

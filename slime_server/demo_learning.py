@@ -1,0 +1,284 @@
+"""The learning demo: a warm-started tiny model that gets better at ``calculator`` by RL, on CPU.
+
+Story (what a new user sees in a few minutes on 2 cores):
+  1. **Warm start** (cached): SFT through the Megatron trainer on synthetic conversations from a
+     *sloppy teacher*: it formats tool calls perfectly and copies the right numbers, but picks the
+     right operator only half of the time. The warm model therefore makes well-formed calls that
+     are often wrong: the format is learned, the arithmetic intent only weakly.
+  2. **RL**: a ``dataset`` job on the same word problems through the whole stack (agent runner ->
+     /v1 gateway -> sgl-router -> engines -> buffer -> Megatron GRPO -> bucketed pushes). What
+     raises the success rate is the reward alone: the warm-start data is right about the operator
+     only half of the time, so imitation caps the policy near 50%.
+  3. **Evaluation**: a held-out set at every ``eval_every`` steps, sampled at temperature 1 with
+     fixed seeds (the policy's own success rate, same random numbers for every version so the
+     curve compares policies, not luck); a PNG plot and a summary at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, Field
+
+from slime_server.envs.base import DatasetRow
+from slime_server.envs.calculator import NAMES, TEMPLATES, CalculatorEnv, evaluate, format_number
+from slime_server.trainer.sft import SFTSettings
+
+# +, -, * word problems with one-digit operands: copying a digit is learnable by a 3 M-parameter
+# model in a couple hundred SFT steps, so the warm start is cheap and RL has a clear target.
+DEMO_TEMPLATES = [t for t in TEMPLATES if "/" not in t[1]]
+WARM_START_VERSION = "3"
+
+
+class DemoLearningSettings(BaseModel):
+    rl_steps: int = Field(40, ge=1, description="RL optimizer steps")
+    sft: SFTSettings = Field(default_factory=lambda: SFTSettings(steps=400, batch_size=16, lr=1e-3, warmup_steps=30))
+    sft_conversations: int = Field(4000, ge=1)
+    n_samples_per_prompt: int = Field(8, ge=2)
+    prompts_per_step: int = Field(4, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    eval_prompts: int = Field(64, ge=1)
+    eval_every: int = Field(5, ge=1)
+    seed: int = 0
+
+
+def demo_rows(n: int, seed: int) -> list[DatasetRow]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        text, expr = rng.choice(DEMO_TEMPLATES)
+        values = {"a": rng.randint(2, 9), "b": rng.randint(2, 9), "name": rng.choice(NAMES)}
+        expression = expr.format(**values)
+        rows.append(DatasetRow(prompt=text.format(**values), label=format_number(evaluate(expression)),
+                               metadata={"expression": expression}))
+    return rows
+
+
+def sloppy_teacher_conversation(row: DatasetRow, rng: random.Random, p_right: float = 0.5
+                                ) -> list[dict[str, Any]]:
+    """A perfectly formatted episode with the right numbers whose operator is right only with
+    probability ``p_right`` (else one of the two wrong ones)."""
+    env = CalculatorEnv()
+    a, op, b = str(row.metadata["expression"]).split()
+    if rng.random() >= p_right:
+        op = rng.choice([o for o in "+-*" if o != op])
+    expression = f"{a} {op} {b}"
+    result = format_number(evaluate(expression))
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    return [*env.reset(row).messages,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": result},
+            {"role": "assistant", "content": f"The answer is {result}."}]
+
+
+def _sft_child(base: str, out: str, settings_json: str, n_conv: int, seed: int) -> None:
+    from transformers import AutoTokenizer
+
+    from slime_server.trainer.sft import conversation_sample, run_sft
+
+    settings = SFTSettings.model_validate_json(settings_json)
+    tok = AutoTokenizer.from_pretrained(base)
+    tools = CalculatorEnv().tools()
+    rng = random.Random(seed)
+    samples = [conversation_sample(tok, sloppy_teacher_conversation(r, rng), tools)
+               for r in demo_rows(n_conv, seed + 1)]
+    bar = _bar(settings.steps, "warm start (SFT, Megatron)")
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}")
+
+    run_sft(base, samples, settings, out, on_step)
+    bar.close()
+
+
+def _bar(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stdout, dynamic_ncols=True, mininterval=1.0,
+                disable=None if sys.stdout.isatty() else False, ascii=not sys.stdout.isatty())
+
+
+def ensure_warm_start(base: str | Path, settings: DemoLearningSettings) -> Path:
+    """The SFT warm start of ``base``, built once in a child process and cached next to it."""
+    import fcntl
+    import hashlib
+    import shutil
+    import tempfile
+
+    from slime_server.models.tiny import default_cache_dir
+
+    base = Path(base).resolve()
+    key = json.dumps({"v": WARM_START_VERSION, "base": str(base), "sft": settings.sft.model_dump(),
+                      "n": settings.sft_conversations, "seed": settings.seed}, sort_keys=True)
+    root = default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"{base.name}-calc-warm-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    if (target / "config.json").exists():
+        print(f"[demo] warm start (cached): {target}", flush=True)
+        return target
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=".sft-", dir=root))
+        try:
+            t0 = time.monotonic()
+            proc = mp.get_context("spawn").Process(
+                target=_sft_child, args=(str(base), str(tmp), settings.sft.model_dump_json(),
+                                         settings.sft_conversations, settings.seed), name="slime-sft",
+                daemon=True)
+            proc.start()
+            try:
+                proc.join()
+            except BaseException:  # Ctrl-C / SIGTERM: the child must not outlive the demo
+                proc.terminate()
+                proc.join(10)
+                raise
+            if proc.exitcode != 0:
+                raise RuntimeError(f"the SFT warm start failed (exit code {proc.exitcode})")
+            tmp.rename(target)
+            print(f"[demo] warm start built in {time.monotonic() - t0:.0f}s: {target}", flush=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+class DemoResult(BaseModel):
+    job_id: str
+    steps: int
+    seconds: float
+    evals: list[dict[str, Any]]
+    rewards: list[tuple[int, float]]
+    before: float
+    after: float
+    plot: str | None
+
+
+def write_datasets(work: Path, settings: DemoLearningSettings) -> tuple[Path, Path]:
+    train, held_out = work / "calculator_train.jsonl", work / "calculator_eval.jsonl"
+    train.write_text("".join(r.model_dump_json() + "\n" for r in demo_rows(512, settings.seed + 100)))
+    held_out.write_text("".join(r.model_dump_json() + "\n"
+                                for r in demo_rows(settings.eval_prompts, settings.seed + 200)))
+    return train, held_out
+
+
+def job_spec(settings: DemoLearningSettings, train: Path, held_out: Path,
+             extra_evals: list[tuple[str, str]] = ()) -> dict[str, Any]:
+    n, per_step = settings.n_samples_per_prompt, settings.prompts_per_step
+    return {
+        "name": "calculator-demo",
+        "algorithm": "grpo",
+        "data": {"source": "dataset", "environment": "calculator", "dataset": str(train),
+                 "concurrency": n * per_step, "temperature": 1.0, "max_tokens": 40, "seed": settings.seed},
+        "loop": {"batch_size": n * per_step, "n_samples_per_prompt": n, "max_steps": settings.rl_steps,
+                 "max_staleness": 1, "update_weights_interval": 1, "checkpoint_interval": 1000,
+                 "drop_zero_variance_groups": True},
+        "optimizer": {"lr": settings.lr, "clip_grad": 1.0},
+        # as little ahead as is safe (one batch + the groups in flight): on 2 shared cores, rollouts the
+        # trainer cannot take in time are stale (dropped) by the time it can, and they slow it down meanwhile
+        "pacing": {"max_buffered": 2 * n * per_step, "retry_after_s": 0.5},
+        "max_tokens_per_micro_batch": 512,
+        "eval": [{"name": "held_out", "environment": "calculator", "dataset": str(held_out),
+                  "num_prompts": settings.eval_prompts, "every_steps": settings.eval_every, "temperature": 1.0,
+                  "seed": settings.seed + 7, "max_tokens": 40, "concurrency": 16}]
+        + [{"name": name, "environment": "calculator", "dataset": path, "every_steps": settings.eval_every,
+            "max_tokens": 40} for name, path in extra_evals],
+    }
+
+
+def run_rl(root_url: str, admin_key: str | None, settings: DemoLearningSettings, work: Path,
+           extra_evals: list[tuple[str, str]] = ()) -> DemoResult:
+    """Submit the RL job, show progress until it completes and its last evaluation is in."""
+    train, held_out = write_datasets(work, settings)
+    rest = httpx.Client(base_url=root_url, headers={"Authorization": f"Bearer {admin_key or 'none'}"}, timeout=120)
+    job = rest.post("/jobs", json=job_spec(settings, train, held_out, list(extra_evals))).raise_for_status().json()
+    t0 = time.monotonic()
+    bar = _bar(settings.rl_steps, "RL (GRPO on calculator)")
+    evals: list[dict[str, Any]] = []
+    evals_other: list[dict[str, Any]] = []
+    rewards: list[tuple[int, float]] = []
+    seen_step, last_seq, status = 0, 0, job["status"]
+    final_eval_step = settings.rl_steps - settings.rl_steps % settings.eval_every
+    while True:
+        for ev in job_events(rest, job["id"], last_seq):
+            last_seq = max(last_seq, int(ev["seq"]))
+            data = ev["data"]
+            if ev["kind"] == "step":
+                rewards.append((int(data["step"]), float(data.get("reward_mean", 0.0))))
+            elif ev["kind"] == "eval" and data.get("name") != "held_out":
+                evals_other.append(data)
+                tqdm_write(f"[demo] eval {data['name']} step {data['step']:>3}: success {data['success_rate']:.0%}")
+            elif ev["kind"] == "eval":
+                evals.append(data)
+                tqdm_write(f"[demo] eval step {data['step']:>3} (policy v{data['version']}): "
+                           f"success {data['success_rate']:.0%} on {data['episodes']} held-out problems")
+        step = rewards[-1][0] if rewards else 0
+        if step > seen_step:
+            bar.update(step - seen_step)
+            seen_step = step
+            recent = [r for _, r in rewards[-5:]]
+            success = f"{evals[-1]['success_rate']:.0%}" if evals else "-"
+            bar.set_postfix_str(f"reward {sum(recent) / len(recent):.2f} | held-out success {success} | "
+                                f"policy v{step}")
+        status = rest.get(f"/jobs/{job['id']}").raise_for_status().json()["status"]
+        done_evals = any(e["step"] >= final_eval_step for e in evals)
+        if status in ("failed", "cancelled") or (status == "completed" and done_evals):
+            break
+        if status == "completed" and time.monotonic() - t0 > 3600:
+            break
+        time.sleep(1.0)
+    bar.close()
+    if status != "completed":
+        error = rest.get(f"/jobs/{job['id']}").json().get("error")
+        raise RuntimeError(f"the RL job ended {status}: {error}")
+    evals.sort(key=lambda e: e["step"])
+    plot = plot_progress(evals, rewards, work / "demo_success.png")
+    return DemoResult(job_id=job["id"], steps=seen_step, seconds=time.monotonic() - t0, evals=evals + evals_other,
+                      rewards=rewards, before=evals[0]["success_rate"] if evals else 0.0,
+                      after=evals[-1]["success_rate"] if evals else 0.0, plot=plot)
+
+
+def job_events(rest: httpx.Client, job_id: str, after: int) -> list[dict[str, Any]]:
+    """The job's stored events after ``after`` (the SSE endpoint without following)."""
+    r = rest.get(f"/jobs/{job_id}/events", params={"after": after, "follow": "false"}).raise_for_status()
+    return [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
+
+
+def tqdm_write(line: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def plot_progress(evals: list[dict[str, Any]], rewards: list[tuple[int, float]], out: Path) -> str | None:
+    """Success rate (held-out) and batch reward vs step as a PNG; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if rewards:
+        ax.plot([s for s, _ in rewards], [r for _, r in rewards], color="#bbbbbb", lw=1, label="training batch reward")
+    ax.plot([e["step"] for e in evals], [e["success_rate"] for e in evals], "o-", color="#1f77b4", lw=2,
+            label="held-out success rate")
+    ax.set(xlabel="RL step (policy version)", ylabel="success rate", ylim=(0, 1.02),
+           title="calculator: tiny model, CPU, GRPO through slime-server")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return str(out)

@@ -1,0 +1,140 @@
+"""Ecosystem fit: LangChain's ``ChatOpenAI`` (tools bound) and the OpenAI Agents SDK (``agents``)
+run a tool-using agent against ``/v1`` and every call lands token-exactly in one trajectory.
+
+The engine serves the tiny model fine-tuned to call ``get_weather`` (as in test_gateway_openai), so
+the tool path is real: the client parses the call, runs the tool, sends the result back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from _gateway_helpers import (
+    MODEL,
+    TOOL_RESULT,
+    TOOL_USER,
+    WEATHER_TOOL,
+    GatewayProc,
+    cached_tool_model,
+    start_gateway,
+    stop_gateway,
+)
+from transformers import AutoTokenizer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model_path: Path) -> Path:
+    return cached_tool_model(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def gateway(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
+    from _gateway_helpers import engine_and_router
+
+    d = tmp_path_factory.mktemp("clients")
+    with engine_and_router(tool_model, d) as router_url:
+        gw = start_gateway(router_url, tool_model, d / "traj.db", d / "gateway.log")
+        yield gw
+        stop_gateway(gw)
+
+
+def _session(gw: GatewayProc) -> str:
+    return httpx.post(f"{gw.base_url}/sessions", json={}, timeout=30).raise_for_status().json()["id"]
+
+
+def _trajectories(gw: GatewayProc, sid: str) -> list[dict]:
+    return httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30).raise_for_status().json()
+
+
+def _check_token_exact(traj: dict, tool_model: Path, n_turns: int) -> list[str]:
+    """The stored ids are the chat template's rendering of the stored messages; generated spans carry
+    mask 1 and an engine logprob; returns the decoded generated spans."""
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    assert len(traj["turns"]) == n_turns
+    mask, lps = traj["loss_mask"], traj["rollout_logprobs"]
+    spans = []
+    for t in traj["turns"]:
+        assert all(mask[i] == 1 and lps[i] <= 0.0 for i in range(t["output_start"], t["output_end"]))
+        assert not any(mask[t["prompt_start"]:t["output_start"]])
+        spans.append(tok.decode(traj["tokens"][t["output_start"]:t["output_end"]], skip_special_tokens=False))
+    assert sum(mask) == sum(t["output_end"] - t["output_start"] for t in traj["turns"])
+    return spans
+
+
+def get_weather(city: str) -> str:
+    """Weather for a city"""
+    return TOOL_RESULT
+
+
+def test_langchain_chat_openai_with_bound_tools(gateway: GatewayProc, tool_model: Path) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    sid = _session(gateway)
+    llm = ChatOpenAI(model=MODEL, base_url=gateway.base_url, api_key="EMPTY", temperature=0, max_tokens=48,
+                     max_retries=0, default_headers={"X-Session-Id": sid})
+    agent_llm = llm.bind_tools([WEATHER_TOOL])
+    messages: list = [HumanMessage(TOOL_USER)]
+    first = agent_llm.invoke(messages)
+    assert [c["name"] for c in first.tool_calls] == ["get_weather"]
+    assert first.tool_calls[0]["args"] == {"city": "Paris"}
+    messages += [first, ToolMessage(get_weather(**first.tool_calls[0]["args"]), tool_call_id=first.tool_calls[0]["id"])]
+    final = agent_llm.invoke(messages)
+    assert isinstance(final.content, str)
+    trajs = _trajectories(gateway, sid)
+    assert len(trajs) == 1  # call, tool result and answer merged into one trajectory
+    spans = _check_token_exact(trajs[0], tool_model, 2)
+    assert "<tool_call>" in spans[0] and json.loads(spans[0].split("<tool_call>")[1].split("</tool_call>")[0]) == {
+        "name": "get_weather", "arguments": {"city": "Paris"}}
+    assert final.content in spans[1]
+
+
+def test_openai_agents_sdk_runs_a_tool_using_agent(gateway: GatewayProc, tool_model: Path) -> None:
+    from agents import (
+        Agent,
+        FunctionTool,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    sid = _session(gateway)
+    calls: list[str] = []
+
+    async def invoke(ctx: object, args_json: str) -> str:
+        calls.append(json.loads(args_json)["city"])
+        return TOOL_RESULT
+
+    fn = WEATHER_TOOL["function"]
+    weather = FunctionTool(name=fn["name"], description=fn["description"], params_json_schema=fn["parameters"],
+                           on_invoke_tool=invoke, strict_json_schema=False)
+
+    async def run() -> str:
+        client = AsyncOpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0,
+                             default_headers={"X-Session-Id": sid})
+        agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[weather],
+                      model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=48))
+        try:
+            result = await Runner.run(agent, TOOL_USER, max_turns=3)
+        finally:
+            await client.close()
+        return str(result.final_output)
+
+    final = asyncio.run(run())
+    assert calls == ["Paris"]  # the SDK parsed the model's call and ran the tool
+    trajs = _trajectories(gateway, sid)
+    assert len(trajs) == 1
+    spans = _check_token_exact(trajs[0], tool_model, 2)
+    assert '"get_weather"' in spans[0]
+    assert final in spans[1]
