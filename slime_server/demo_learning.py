@@ -44,6 +44,7 @@ class DemoLearningSettings(BaseModel):
     n_samples_per_prompt: int = Field(8, ge=2)
     prompts_per_step: int = Field(4, ge=1)
     lr: float = Field(1e-4, gt=0)
+    lr_warmup_steps: int = Field(0, ge=0, description="RL lr warmup (Adam's first steps move every weight by ~lr)")
     eval_prompts: int = Field(64, ge=1)
     eval_every: int = Field(5, ge=1)
     seed: int = 0
@@ -182,7 +183,8 @@ def job_spec(settings: DemoLearningSettings, train: Path, held_out: Path,
         "loop": {"batch_size": n * per_step, "n_samples_per_prompt": n, "max_steps": settings.rl_steps,
                  "max_staleness": 1, "update_weights_interval": 1, "checkpoint_interval": 1000,
                  "drop_zero_variance_groups": True},
-        "optimizer": {"lr": settings.lr, "clip_grad": 1.0},
+        "optimizer": {"lr": settings.lr, "clip_grad": 1.0,
+                      "lr_warmup_steps": min(settings.lr_warmup_steps, max(0, settings.rl_steps - 1))},
         # as little ahead as is safe (one batch + the groups in flight): on 2 shared cores, rollouts the
         # trainer cannot take in time are stale (dropped) by the time it can, and they slow it down meanwhile
         "pacing": {"max_buffered": 2 * n * per_step, "retry_after_s": 0.5},

@@ -32,6 +32,13 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
+def ray_cpus_needed(settings: ServerSettings) -> int:
+    """Ray CPU resources the engines and (unless colocated) the trainer ranks reserve."""
+    eng, tr = settings.engine, settings.trainer
+    return math.ceil(eng.num_engines * eng.num_cpus_per_engine
+                     + (0 if tr.colocate else tr.num_ranks * tr.num_cpus_per_rank))
+
+
 def _init_ray(settings: ServerSettings) -> bool:
     """Start (or join) Ray; returns True when this call started it and so must shut it down."""
     import ray
@@ -48,11 +55,7 @@ def _init_ray(settings: ServerSettings) -> bool:
     if settings.ray.address:
         ray.init(address=settings.ray.address, **common)
     else:
-        eng = settings.engine
-        tr = settings.trainer
-        needed = math.ceil(eng.num_engines * eng.num_cpus_per_engine
-                           + (0 if tr.colocate else tr.num_ranks * tr.num_cpus_per_rank))
-        num_cpus = settings.ray.num_cpus or max(os.cpu_count() or 1, needed, 1)
+        num_cpus = settings.ray.num_cpus or max(os.cpu_count() or 1, ray_cpus_needed(settings), 1)
         ray.init(num_cpus=num_cpus, **common)
     for sig, handler in saved.items():
         if handler is not None:

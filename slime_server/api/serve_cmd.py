@@ -53,6 +53,7 @@ class RunningServer:
     gateway: GatewayThread
     base_url: str
     jobs: Any = None  # JobManager
+    judge: Any = None  # online.judge_server.JudgeDeployment (serve --online --judge-engine-model)
 
     def stop(self) -> None:
         try:
@@ -60,7 +61,11 @@ class RunningServer:
             if self.jobs is not None:
                 self.jobs.shutdown()  # jobs stay active in the store: the next start resumes them
         finally:
-            self.deployment.shutdown()
+            try:
+                if self.judge is not None:
+                    self.judge.stop()
+            finally:
+                self.deployment.shutdown()
 
 
 def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls: Any,
@@ -120,17 +125,30 @@ def start_online_job(jobs: Any, body: dict[str, Any]) -> None:
 
 def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir: str | Path | None,
                  *, trainer: bool = True, default_evals: list[tuple[str, str]] | None = None,
-                 eval_env: str | None = None, online: Any = None, online_job: dict[str, Any] | None = None
-                 ) -> RunningServer:
-    """Engines + router under Ray, the job manager (trainer ranks start per job), the gateway in front."""
+                 eval_env: str | None = None, online: Any = None, online_job: dict[str, Any] | None = None,
+                 judge_engine_model: str | None = None, judge_engines: int = 1) -> RunningServer:
+    """Engines + router under Ray, the job manager (trainer ranks start per job), the gateway in front
+    (and, with ``judge_engine_model``, the online judge on engines and a router of its own)."""
     from slime_server.api.server import build_gateway
     from slime_server.launch import Deployment, resolve_model_path
 
     model_path = resolve_model_path(settings.engine.model)
+    if judge_engine_model is not None:
+        from slime_server.online.judge_server import with_judge_cpus
+
+        settings = with_judge_cpus(settings, judge_engines)
     dep = Deployment.start(settings, log_dir=log_dir)
-    jobs = None
+    jobs = judge = None
     try:
         print(f"router_url: {dep.router_url}", flush=True)
+        if judge_engine_model is not None and online is not None:
+            from slime_server.online.judge_server import start_judge_deployment
+
+            judge = start_judge_deployment(settings, judge_engine_model, judge_engines, dep.log_dir)
+            online = online.model_copy(update={"judge": online.judge.model_copy(
+                update={"base_url": judge.base_url, "model": None, "api_key": "none"})})
+            print(f"judge_base_url: {judge.base_url} (router {judge.deployment.router_url}, "
+                  f"{judge_engines} engine(s), calls recorded in {judge.db_path})", flush=True)
         app = build_gateway(dep.router_url, model_path, gw_settings)
         if trainer:
             jobs = attach_jobs(app.state.gw, settings, model_path, lambda: dep.engine_urls, default_evals, eval_env)
@@ -142,9 +160,11 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
     except BaseException:
         if jobs is not None:
             jobs.shutdown()
+        if judge is not None:
+            judge.stop()
         dep.shutdown()
         raise
-    return RunningServer(dep, gateway, f"http://{gw_settings.host}:{gw_settings.port}/v1", jobs)
+    return RunningServer(dep, gateway, f"http://{gw_settings.host}:{gw_settings.port}/v1", jobs, judge)
 
 
 class ServeCommand:
@@ -170,6 +190,8 @@ class ServeCommand:
 
         evals = parse_eval_data(args.eval_data)
         online = OnlineSettings(judge=judge_settings(args), opd=args.opd_weight > 0) if args.online else None
+        if args.judge_engine_model is not None and (not args.online or args.judge_url is not None):
+            raise SystemExit("--judge-engine-model needs --online and excludes --judge-url")
 
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
                                        ("admin_api_key", args.admin_api_key), ("db_path", args.db_path))
@@ -179,7 +201,8 @@ class ServeCommand:
         def start() -> RunningServer:
             running = start_server(settings, gw_settings, args.log_dir, trainer=not args.no_trainer,
                                    default_evals=evals, eval_env=args.eval_env, online=online,
-                                   online_job=online_job_spec(args) if args.online and not args.no_trainer else None)
+                                   online_job=online_job_spec(args) if args.online and not args.no_trainer else None,
+                                   judge_engine_model=args.judge_engine_model, judge_engines=args.judge_engines)
             print(f"openai_base_url: {running.base_url}", flush=True)
             return running
 

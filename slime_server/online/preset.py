@@ -23,6 +23,10 @@ def add_online_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("online learning (--online)")
     g.add_argument("--online", action="store_true", help="judge live turns and train on them continuously")
     g.add_argument("--judge-url", default=None, help="OpenAI-compatible /v1 of the judge (default: this server)")
+    g.add_argument("--judge-engine-model", default=None, metavar="MODEL",
+                   help="serve the judge from this model (HF dir or 'tiny') on engines of its own behind its own "
+                        "sgl-router; never trained (excludes --judge-url)")
+    g.add_argument("--judge-engines", type=int, default=1, help="engines for --judge-engine-model")
     g.add_argument("--judge-model", default=None, help="judge model id (default: the first the URL lists)")
     g.add_argument("--judge-api-key", default="none")
     g.add_argument("--judge-votes", type=int, default=1, help="judge samples per turn (majority vote)")
