@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "slime_server.api.serve_cmd:ServeCommand",
     "demo": "slime_server.demo:DemoCommand",
     "export": "slime_server.buffer.export:ExportCommand",
+    "keys": "slime_server.buffer.key_store:KeysCommand",
     "agent": "slime_server.agents.cli:AgentCommand",
 }
 
@@ -52,6 +53,8 @@ SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--trainer-tp-size": ("trainer.tp_size", int),
     "--trainer-work-dir": ("trainer.work_dir", str),
     "--colocate": ("trainer.colocate", bool),
+    "--log-level": ("log.level", str),
+    "--log-format": ("log.format", str),
 }
 
 
@@ -113,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args, passthrough)
     except (ConfigError, ValidationError) as e:
         parser.error(f"invalid settings: {e}")
+    from slime_server.utils.logs import setup_logging
+
+    setup_logging(settings.log.level, settings.log.format)
     return commands[args.command].run(args, settings)
 
 

@@ -83,17 +83,25 @@ class GatewaySettings(_Section):
     port: int = Field(8000, ge=0, le=65535)
     served_model_name: str | None = Field(None, description="model id clients send; default: the model dir name")
     api_key: str | None = Field(None, description="if set, /v1 needs 'Authorization: Bearer <api_key>'")
-    admin_api_key: str | None = Field(None, description="if set, /jobs needs this key (else api_key is admin)")
+    admin_api_key: str | None = Field(None, description="if set, admin routes (/jobs, /admin) need this key or a "
+                                      "minted admin key, and api_key becomes an agent key")
+    cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API "
+                                    "(CORS); empty = CORS off")
     tool_parser: str = Field("hermes", description="hermes | qwen | llama3_json (see api/tool_parsers.py)")
     reasoning_parser: str | None = Field("qwen3", description="qwen3 | deepseek-r1 | glm45 | None")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_n: int = Field(8, ge=1, le=16)
+    max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt a request may send (400 above); "
+                                          "default: the model's context")
+    max_output_tokens: int | None = Field(None, ge=1, description="most tokens one request may generate (400 "
+                                          "above; also the default max_tokens); default: what the context leaves")
     engine_supports_penalties: bool = Field(
         False, description="SGLang engines do; the built-in CPU engine does not (requests then get a 400)")
     engine_timeout_s: float = Field(600.0, gt=0)
     max_continuations: int = Field(3, ge=0, description="partial rollouts: how often a generation an engine "
                                    "aborted on its own (weight update, restart) is continued; 0 = never")
-    db_path: str = Field("slime_server.db", description="SQLite trajectory store")
+    db_path: str = Field("slime_server.db", description="trajectory store: a SQLite file, or a postgresql:// URL "
+                         "for a store shared by several server replicas (`postgres` extra)")
 
 
 class TrainerSettings(_Section):
@@ -113,6 +121,14 @@ class TrainerSettings(_Section):
         default_factory=dict, description="Megatron TransformerConfig overrides (from --megatron-key value flags)")
 
 
+class LogSettings(_Section):
+    """The server process's own log lines (engines and the router keep their own log files)."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning", description="info adds one line per HTTP request (method, path, status, ms, session)")
+    format: Literal["text", "json"] = Field("text", description="json: one JSON object per line, for log shippers")
+
+
 class ServerSettings(BaseSettings):
     """Root of the settings tree."""
 
@@ -125,6 +141,7 @@ class ServerSettings(BaseSettings):
     ray: RaySettings = Field(default_factory=RaySettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slime_server.buffer.job_store import EventRow, JobRow, MetricsRow, SQLiteJobStore
 from slime_server.buffer.store import TrajectoryStore
+from slime_server.job_logging import JobLog, WandbSpec, WandbUnavailable, require_wandb
 from slime_server.trainer.advantages import AdvantageConfig, Estimator
 from slime_server.trainer.loop import EngineControl, LoopSettings, LoopState, Trainer, TrainLoop
 from slime_server.trainer.losses import LossConfig
@@ -112,6 +113,8 @@ class JobSpec(_Strict):
     pacing: PacingSpec = Field(default_factory=PacingSpec)
     max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="default: the server's trainer setting")
     eval: list[EvalSpec] = Field(default_factory=list, description="evaluated on a schedule, per policy version")
+    wandb: WandbSpec | None = Field(None, description="also log the job's metrics to Weights & Biases "
+                                    "(needs the wandb package on the server; TensorBoard files are always written)")
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -269,6 +272,11 @@ class JobManager:
 
     def create(self, spec: JobSpec) -> JobView:
         spec = self.with_default_evals(spec)
+        if spec.wandb is not None and spec.wandb.mode != "disabled":
+            try:
+                require_wandb()
+            except WandbUnavailable as e:
+                raise JobError(400, str(e), "wandb_not_installed") from e
         if spec.base_model is not None and self.served_model is not None and spec.base_model != self.served_model:
             raise JobError(400, f"base_model {spec.base_model!r} is not the served model {self.served_model!r}; "
                            "a live job trains the policy the engines serve", "invalid_value")
@@ -305,6 +313,13 @@ class JobManager:
 
     def cancel(self, job_id: str) -> JobView:
         return self._transition(job_id, {s: "cancelled" for s in ACTIVE}, "cancel", lambda run: run.loop.stop.set())
+
+    def catch_up_engine(self, url: str) -> bool:
+        """Push the running job's current weights to one (restarted) engine; False if no job can."""
+        for run in list(self._running.values()):
+            if run.thread.is_alive() and run.loop.sync_engine(url):
+                return True
+        return False
 
     def metrics(self, job_id: str, since_step: int = 0) -> list[MetricsRow]:
         self._row(job_id)
@@ -356,7 +371,7 @@ class JobManager:
         for row in self.jobs.list_jobs():
             if row.status in ACTIVE:
                 self._event(row.id, "restored", {"status": row.status})
-                self._launch(row)
+                self._launch(row, restoring=True)
                 restored.append(row.id)
         return restored
 
@@ -403,11 +418,10 @@ class JobManager:
             run.thread.join(timeout=120)
         return self.get(job_id)
 
-    def _launch(self, row: JobRow) -> None:
+    def _launch(self, row: JobRow, restoring: bool = False) -> None:
         spec = JobSpec.model_validate(row.spec)
         job_dir = self.work_dir / row.id
         job_dir.mkdir(parents=True, exist_ok=True)
-        tb = _tensorboard(job_dir / "tb")
         engines = EngineControl(self.engine_urls)
 
         def on_step(state: LoopState, metrics: dict[str, float]) -> None:
@@ -415,13 +429,11 @@ class JobManager:
             self.jobs.add_metrics(row.id, state.step, metrics)
             JOB_STEP.labels(row.id).set(state.step)
             JOB_VERSION.labels(row.id).set(state.version)
-            for name in ("loss", "reward_mean", "kl", "clip_frac", "staleness_mean", "tokens_per_s", "grad_norm"):
+            for name in ("loss", "reward_mean", "kl", "clip_fraction", "staleness_mean", "tokens_per_s", "grad_norm"):
                 if name in metrics:
                     JOB_METRIC.labels(row.id, name).set(metrics[name])
-            if tb is not None:
-                for name, value in metrics.items():
-                    tb.add_scalar(name, value, state.step)
-                tb.flush()
+            tb.add_scalars(metrics, state.step)
+            tb.flush()
             self._event(row.id, "step", {"step": state.step, "version": state.version,
                                          **{k: metrics[k] for k in ("loss", "reward_mean") if k in metrics}})
             evaluator.maybe_run(state.step, state.version)
@@ -433,7 +445,6 @@ class JobManager:
             if kind == "trainer_ready" and data.get("step") == 0:  # the base policy's score, before training
                 evaluator.maybe_run(0, int(data.get("version", 0)))
 
-        evaluator = Evaluator(spec.eval, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d), tb)
         loop = TrainLoop(self.store, lambda: self.make_trainer(spec), engines, spec.loop_settings(),
                          job_dir / "checkpoints", state=LoopState.model_validate(row.state), on_step=on_step,
                          on_event=on_event, job_id=row.id)
@@ -441,18 +452,34 @@ class JobManager:
             loop.paused.set()
 
         self.loop_hook(loop)
-        run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb,
-                       evaluator)
+        driver = None
         if spec.data.source == "dataset":
             if self.gateway_url is None:
                 raise JobError(400, "this server cannot run dataset jobs (no gateway URL)", "no_gateway")
             driver = DatasetDriver(spec, loop, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d))
+        tb = self._job_log(row, spec, job_dir, restoring)  # last: nothing after it can fail and leak a W&B run
+        evaluator = Evaluator(spec.eval, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d), tb)
+        run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb,
+                       evaluator)
+        if driver is not None:
             run.driver = threading.Thread(target=driver.run, name=f"driver-{row.id}", daemon=True)
         with self._lock:
             self._running[row.id] = run
         run.thread.start()
         if run.driver is not None:
             run.driver.start()
+
+    def _job_log(self, row: JobRow, spec: JobSpec, job_dir: Path, restoring: bool) -> JobLog:
+        """TensorBoard always; W&B if asked. A new job that cannot open its W&B run does not start
+        (400); a restored one goes on without W&B (the server must come back up)."""
+        try:
+            return JobLog.open(job_dir, row.id, name=spec.name, wandb=spec.wandb, config=row.spec)
+        except Exception as e:
+            if not restoring:
+                raise JobError(400, f"the job cannot open its W&B run: {e!r}"[:2000], "wandb_failed") from e
+            log.exception("job %s: W&B logging is off after the restart", row.id)
+            self._event(row.id, "wandb_failed", {"error": repr(e)[:500]})
+            return JobLog.open(job_dir, row.id)
 
     def _run(self, job_id: str) -> None:
         run = self._running[job_id]
@@ -486,8 +513,7 @@ class JobManager:
                 run.driver.join(timeout=120)
             run.evaluator.close()
             loop.engines.close()
-            if run.tb is not None:
-                run.tb.close()
+            run.tb.close()
             with self._lock:
                 self._running.pop(job_id, None)
 
@@ -563,13 +589,3 @@ class Evaluator:
                     self.tb.flush()
         except Exception as exc:  # noqa: BLE001 - an eval must never take the job down
             self.on_event("eval_failed", {"step": step, "error": repr(exc)[:500]})
-
-
-def _tensorboard(path: Path) -> Any:
-    """A TensorBoard event-file writer (tensorboardX), or None if it is not installed."""
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        log.warning("tensorboardX is not installed: no TensorBoard event files")
-        return None
-    return SummaryWriter(str(path))

@@ -115,6 +115,7 @@ class PreparedTurn(BaseModel):
 
     session_id: str
     ephemeral: bool = False  # a request without a session id: a one-turn session, closed on commit
+    owner: str | None = None  # agent key recording this turn (api/auth.py); sessions it creates are its own
     mode: TurnMode
     base_trajectory_id: str | None = None  # the trajectory this turn extends (None: a new one)
     base_len: int = 0  # how many of the base's tokens ``prompt_ids`` starts with
@@ -193,7 +194,8 @@ class SessionManager:
 
     # ---------------------------------------------------------------- prepare
     def prepare_turn(self, session_id: str | None, messages: list[dict[str, Any]],
-                     tools: list[dict[str, Any]] | None = None, *, n: int = 1) -> PreparedTurn:
+                     tools: list[dict[str, Any]] | None = None, *, n: int = 1,
+                     owner: str | None = None) -> PreparedTurn:
         """Prompt ids for this request, token-exact with the session's earlier turns."""
         if n < 1:
             raise SessionRequestError("n must be at least 1")
@@ -202,15 +204,15 @@ class SessionManager:
         ids = self.renderer.render_ids(msgs, tools)  # outside the lock: tokenizing long prompts takes ms
         if not session_id:
             return PreparedTurn(session_id=f"sess-{uuid.uuid4().hex}", ephemeral=True, mode="new", prompt_ids=ids,
-                                messages=msgs, tools_digest=digest, n=n)
+                                messages=msgs, tools_digest=digest, n=n, owner=owner)
         with self._lock(session_id):
-            session = self.store.get_or_create_session(session_id)
+            session = self.store.get_or_create_session(session_id, owner=owner)
             if session.status != "open":
                 raise SessionClosedError(f"session {session_id!r} is closed")
             trajectories = self.store.get_trajectories(session_id)
             open_ = sorted((t for t in trajectories if t.status == "open" and t.turns),
                            key=lambda t: (t.updated_at, t.segment, -t.branch), reverse=True)
-            common = dict(session_id=session_id, messages=msgs, tools_digest=digest, n=n)
+            common = dict(session_id=session_id, messages=msgs, tools_digest=digest, n=n, owner=owner)
             for t in open_:  # rule (a): the new prompt's ids extend the trajectory's ids
                 if len(ids) > len(t.tokens) and ids[: len(t.tokens)] == t.tokens:
                     return PreparedTurn(mode="merge", base_trajectory_id=t.id, base_len=len(t.tokens),
@@ -246,7 +248,7 @@ class SessionManager:
 
     def _commit_once(self, prepared: PreparedTurn, choices: list[ChoiceResult]) -> list[TurnRecord]:
         # a one-shot request (no session named) creates its session inside the turn's own transaction
-        new_session = Session(id=prepared.session_id) if prepared.ephemeral else None
+        new_session = Session(id=prepared.session_id, owner=prepared.owner) if prepared.ephemeral else None
         trajectories = [] if prepared.ephemeral else self.store.get_trajectories(prepared.session_id)
         base = next((t for t in trajectories if t.id == prepared.base_trajectory_id), None)
         if prepared.base_trajectory_id is not None:

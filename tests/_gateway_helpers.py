@@ -54,6 +54,25 @@ def stop_gateway(gw: GatewayProc) -> None:
 
 
 @contextmanager
+def inprocess_gateway(router_url: str, model_path: Path, db_path: Path) -> Iterator[tuple[str, object]]:
+    """The app of ``slime_server.api.server`` served by uvicorn on a thread of this process (as ``serve``
+    runs it); yields (base URL, app) for tests that reach into it (attach a JobManager, watch its store)."""
+    from slime_server.api.serve_cmd import GatewayThread
+    from slime_server.api.server import build_gateway
+    from slime_server.config import GatewaySettings
+    from slime_server.utils.net import find_free_port
+
+    port = find_free_port()
+    app = build_gateway(router_url, model_path, GatewaySettings(port=port, db_path=str(db_path),
+                                                                served_model_name=MODEL))
+    server = GatewayThread(app, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.stop()
+
+
+@contextmanager
 def engine_and_router(model_path: Path, log_dir: Path) -> Iterator[str]:
     """One CPU engine serving ``model_path`` behind the real sgl-router; yields the router URL."""
     from slime_server.config import RouterSettings

@@ -1,6 +1,10 @@
 """Property test: random interleavings of turns, n>1, tool results, edits, rewinds and bad input over
 the real tiny tokenizer never raise anything but typed client errors, and every recorded
-trajectory satisfies the mask invariant (generated tokens: mask 1 + exact logprob; others: 0)."""
+trajectory satisfies the mask invariant (generated tokens: mask 1 + exact logprob; others: 0).
+
+History rewrites an agent framework does are among the ops: editing any message (tool results
+included), cutting the history back, adding or changing the system prompt, dropping reasoning, and
+re-serialising tool-call arguments (same JSON, other spacing or key order)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from _sessions_helpers import TOOLS, FakeEngine, assert_mask_invariant, client_message
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from slime_server.api.chat_template import ChatRenderer
@@ -23,7 +27,7 @@ TEXT = st.one_of(st.text(alphabet="ab c,.\n{}\"é7", max_size=10),
                  st.sampled_from(["", "<|im_end|>", "<tool_call>", " hello", "</think>"]))
 ARGS = st.dictionaries(st.sampled_from(["city", "n"]), st.one_of(st.integers(-5, 50), TEXT), max_size=2).map(
     lambda d: json.dumps(d, separators=(",", ":")) if len(d) % 2 else json.dumps(d))
-OPS = ["turn", "turn", "turn", "user", "edit", "rewind", "bad", "drop_reasoning"]
+OPS = ["turn", "turn", "turn", "user", "edit", "rewind", "bad", "drop_reasoning", "system", "reformat_args"]
 
 
 @cache
@@ -31,7 +35,7 @@ def _renderer() -> ChatRenderer:
     return ChatRenderer(ensure_tiny_model())
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_interleavings_keep_the_mask_invariant(data: st.DataObject) -> None:
     renderer = _renderer()
@@ -48,6 +52,7 @@ def test_random_interleavings_keep_the_mask_invariant(data: st.DataObject) -> No
                 sid = data.draw(st.sampled_from(sorted(convs)))
                 msgs = convs[sid]
                 op = data.draw(st.sampled_from(OPS))
+                event(op)
                 if op == "user" or (op == "turn" and (not msgs or msgs[-1]["role"] == "assistant")):
                     msgs.append({"role": "user", "content": data.draw(TEXT)})
                 if op == "edit" and msgs:
@@ -58,6 +63,14 @@ def test_random_interleavings_keep_the_mask_invariant(data: st.DataObject) -> No
                 elif op == "drop_reasoning":
                     for m in msgs:
                         m.pop("reasoning_content", None)
+                elif op == "system":
+                    system = {"role": "system", "content": data.draw(TEXT)}
+                    if msgs and msgs[0]["role"] == "system":
+                        msgs[0] = system
+                    else:
+                        msgs.insert(0, system)
+                elif op == "reformat_args":
+                    _reformat_arguments(msgs, data)
                 elif op == "bad":
                     bad = msgs + [data.draw(st.sampled_from([
                         {"role": "robot", "content": "x"}, {"role": "user", "content": 3},
@@ -103,3 +116,16 @@ def _turn(sm: SessionManager, store: SQLiteTrajectoryStore, engine: FakeEngine, 
     msgs.append(echoed)
     for call in echoed.get("tool_calls") or []:
         msgs.append({"role": "tool", "tool_call_id": call["id"], "content": data.draw(TEXT)})
+
+
+def _reformat_arguments(msgs: list[dict], data: st.DataObject) -> None:
+    """Re-serialise one assistant message's tool-call arguments: the same JSON, other text."""
+    calls = [c for m in msgs if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+    if not calls:
+        return
+    call = data.draw(st.sampled_from(calls))
+    args = json.loads(call["function"]["arguments"])
+    style = data.draw(st.sampled_from([{"separators": (",", ":")}, {"indent": 1}, {"sort_keys": True}, {}]))
+    if style.get("sort_keys") is None and data.draw(st.booleans()):
+        args = dict(reversed(list(args.items())))
+    call["function"] = {**call["function"], "arguments": json.dumps(args, **style)}

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from prometheus_client import Counter
 
+from slime_server.api.access_log import AccessLogMiddleware
 from slime_server.api.auth import Principal, authenticate, bearer_token
 from slime_server.api.engine_client import EngineClient
 from slime_server.api.errors import APIError, BodySizeLimitMiddleware, install_error_handlers
@@ -39,6 +40,7 @@ class Gateway:
     store: Any  # slime_server.buffer.store.TrajectoryStore
     jobs: Any = None  # slime_server.jobs.JobManager when a trainer is attached (serve); None: serving only
     feedback: Any = None  # slime_server.online.feedback.ImplicitFeedback with `serve --online`
+    keys: Any = None  # slime_server.buffer.key_store.SQLiteKeyStore: minted agent/admin keys
     inflight: InflightRegistry = field(default_factory=InflightRegistry)
     tool_parser: ToolCallParser = field(init=False)
     reasoning: ReasoningParser | None = field(init=False)
@@ -109,7 +111,13 @@ def get_gateway(request: Request) -> Gateway:
 
 def get_principal(request: Request) -> Principal:
     gw = get_gateway(request)
-    return authenticate(bearer_token(request), gw.settings.api_key, _safe_key_hash(gw))
+    return authenticate(bearer_token(request), api_key=gw.settings.api_key, admin_api_key=gw.settings.admin_api_key,
+                        session_key_hash=_safe_key_hash(gw), minted_key=gw.keys.lookup if gw.keys else None)
+
+
+def require_admin(request: Request) -> None:
+    """Route dependency: admin keys only (jobs, keys, export, dashboard controls)."""
+    get_principal(request).require_admin()
 
 
 def _safe_key_hash(gw: Gateway):
@@ -124,7 +132,7 @@ def _safe_key_hash(gw: Gateway):
 def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
                settings: GatewaySettings | None = None, model_name: str | None = None) -> FastAPI:
     """Build the gateway app over a router (or a single engine) speaking SGLang's ``/generate``."""
-    from slime_server.api import routes_jobs, routes_openai, routes_sessions
+    from slime_server.api import dashboard, routes_admin, routes_jobs, routes_openai, routes_sessions
 
     settings = settings or GatewaySettings()
     name = model_name or settings.served_model_name or "default"
@@ -139,11 +147,24 @@ def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
     app.state.gw = Gateway(settings=settings, model_name=name,
                            engine=EngineClient(router_url, timeout=settings.engine_timeout_s),
                            renderer=renderer, sessions=sessions, store=store)
+    source = getattr(store, "url", None) or getattr(store, "path", None)
+    if source:  # minted keys live beside the trajectories (same SQLite file or Postgres database)
+        from slime_server.buffer.open import open_key_store
+
+        app.state.gw.keys = open_key_store(source)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AccessLogMiddleware)
+    if settings.cors_origins:  # off unless asked for: browsers on other origins cannot call the API
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     app.include_router(routes_openai.router)
     app.include_router(routes_sessions.router)
     app.include_router(routes_jobs.router)
+    app.include_router(routes_admin.router)
+    app.include_router(dashboard.router)  # /dashboard: static page (no auth) + admin JSON API
 
     @app.get("/health", include_in_schema=False)
     async def health() -> dict[str, str]:

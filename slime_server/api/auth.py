@@ -1,10 +1,16 @@
-"""Bearer authentication for /v1: the server key (``--api-key``) and per-session keys.
+"""Who is calling: admin, agent or one session's holder, from the bearer key (issue 9, "Access").
 
-Why per-session keys: an untrusted agent/environment can be handed a key that reaches only its
-own session (its chat calls are recorded there, it can read/reward only that session), while the
-operator's key reaches everything. A session key is ``sk-sess-<session_id>.<secret>``; only the
-SHA-256 of the secret is stored, so a leaked database does not leak keys, and checking a key needs
-no key->session index (the session id is in the key).
+Roles, from most to least power:
+- **admin**: everything (jobs, keys, export, dashboard controls, every session). The
+  ``--admin-api-key``, minted admin keys, and ``--api-key`` when no admin key is set.
+- **agent**: ``/v1`` calls, and the sessions it created (read, reward, close, abort, feedback).
+  Minted agent keys (each owns its own sessions), ``--api-key`` when an admin key is set (owner
+  ``api-key``), and, while no ``--api-key`` is set, callers without a key (owner ``anonymous``).
+- **session**: one session only (AReaL style), ``sk-sess-<session_id>.<secret>``, for untrusted
+  environment code that should reach nothing else.
+
+Only hashes of minted and session keys are stored (``buffer/key_store.py``); the two configured
+keys live in the operator's settings. Every comparison with a secret is constant-time.
 """
 
 from __future__ import annotations
@@ -12,36 +18,62 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from fastapi import Request
 
 from slime_server.api.errors import APIError
+from slime_server.buffer.key_store import hash_secret, parse_key
 
 SESSION_KEY_PREFIX = "sk-sess-"
+Role = Literal["admin", "agent", "session"]
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: the operator (``session_id`` None) or the holder of one session's key."""
-
-    session_id: str | None = None
+    role: Role = "admin"
+    owner: str | None = None  # agents: the owner recorded on the sessions they create
+    session_id: str | None = None  # session keys: the one session they reach
 
     @property
     def is_admin(self) -> bool:
-        return self.session_id is None
+        return self.role == "admin"
 
-    def check_session(self, session_id: str) -> None:
-        if self.session_id is not None and self.session_id != session_id:
-            raise APIError(403, "this API key is bound to another session", code="session_forbidden")
+    @property
+    def session_owner(self) -> str | None:
+        """Owner to record on (and to require of) the sessions this caller's /v1 calls touch."""
+        return self.owner if self.role == "agent" else None
+
+    def may_access(self, session: Any) -> bool:
+        if self.role == "admin":
+            return True
+        if self.role == "session":
+            return session.id == self.session_id
+        return getattr(session, "owner", None) == self.owner
+
+    def check_session(self, session: Any) -> None:
+        if not self.may_access(session):
+            raise _forbidden()
+
+    def check_session_id(self, session_id: str) -> None:
+        """Early check for session keys, before any lookup (they cannot probe which ids exist)."""
+        if self.role == "session" and session_id != self.session_id:
+            raise _forbidden()
 
     def require_admin(self) -> None:
         if not self.is_admin:
+            raise APIError(403, "this route needs an admin key", code="admin_required")
+
+    def require_agent(self) -> None:
+        """Admin or agent: anything but a session-bound key."""
+        if self.role == "session":
             raise APIError(403, "a session API key cannot do this", code="admin_required")
 
 
-def hash_secret(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
+def _forbidden() -> APIError:
+    return APIError(403, "this API key cannot reach that session", code="session_forbidden")
 
 
 def mint_session_key(session_id: str) -> tuple[str, str]:
@@ -68,22 +100,39 @@ def bearer_token(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def authenticate(token: str | None, api_key: str | None, stored_key_hash) -> Principal:
-    """Resolve a bearer token. ``stored_key_hash(session_id)`` returns the stored hash or None.
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(hashlib.sha256(a.encode()).digest(), hashlib.sha256(b.encode()).digest())
 
-    Without a server key the API is open (any token is the operator) except that a well-formed
-    session key is always honoured as that session's key, so clients behave the same either way.
+
+def authenticate(token: str | None, *, api_key: str | None, admin_api_key: str | None,
+                 session_key_hash: Callable[[str], str | None],
+                 minted_key: Callable[[str], tuple[Any, str] | None] | None = None) -> Principal:
+    """Resolve a bearer token to a principal, or raise 401.
+
+    ``session_key_hash(session_id)`` gives a session's stored key hash; ``minted_key(key_id)`` a
+    minted key's record and hash (``SQLiteKeyStore.lookup``). A well-formed session or minted key
+    is always checked as such, so clients behave the same whether or not the API is open.
     """
-    if token is not None and api_key is not None and hmac.compare_digest(token, api_key):
-        return Principal()
-    parsed = parse_session_key(token) if token else None
-    if parsed is not None:
-        session_id, secret = parsed
-        expected = stored_key_hash(session_id)
-        if expected and hmac.compare_digest(expected, hash_secret(secret)):
-            return Principal(session_id=session_id)
-        raise APIError(401, "invalid session API key", code="invalid_api_key")
-    if api_key is None:
-        return Principal()
+    if token is not None:
+        if admin_api_key is not None and _same(token, admin_api_key):
+            return Principal()
+        if api_key is not None and _same(token, api_key):
+            return Principal() if admin_api_key is None else Principal(role="agent", owner="api-key")
+        minted = parse_key(token)
+        if minted is not None:
+            found = minted_key(minted[0]) if minted_key is not None else None
+            if found is None or found[0].revoked_at is not None or not _same(found[1], hash_secret(minted[1])):
+                raise APIError(401, "invalid or revoked API key", code="invalid_api_key")
+            record = found[0]
+            return Principal() if record.role == "admin" else Principal(role="agent", owner=f"key:{record.id}")
+        parsed = parse_session_key(token)
+        if parsed is not None:
+            session_id, secret = parsed
+            expected = session_key_hash(session_id)
+            if expected and _same(expected, hash_secret(secret)):
+                return Principal(role="session", session_id=session_id)
+            raise APIError(401, "invalid session API key", code="invalid_api_key")
+    if api_key is None:  # /v1 is open: the operator has not asked for keys
+        return Principal() if admin_api_key is None else Principal(role="agent", owner="anonymous")
     raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                    code="invalid_api_key")

@@ -4,6 +4,7 @@ Why: OpenAI SDKs map the status code to an exception class (400 BadRequestError,
 NotFoundError, ...) and show ``error.message``; FastAPI's defaults (422, ``{"detail": ...}``)
 would surface as opaque errors in every agent framework. Handlers here cover our own
 ``APIError``, request validation (-> 400), unknown routes (-> 404), too large bodies (-> 413),
+the store's typed errors (their own status: a full or read-only disk is 503 ``store_unavailable``)
 and, as a last resort, unexpected exceptions (-> 500, logged, never a stack trace to the client).
 """
 
@@ -94,7 +95,8 @@ async def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONRe
         err = APIError(404, f"unknown route: {request.method} {request.url.path}", code="unknown_url")
     elif exc.status_code == 405:
         err = APIError(405, f"method {request.method} not allowed on {request.url.path}",
-                       code="method_not_allowed")
+                       code="method_not_allowed", headers={"Allow": _allowed_methods(request)})
+        return error_response(err)
     elif exc.status_code == 413:
         err = APIError(413, "request body too large", code="request_too_large")
     else:
@@ -103,8 +105,27 @@ async def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONRe
     return error_response(err)
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves on this path (Starlette names only the first route that matched)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if getattr(route, "methods", None) and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))
+
+
 async def _api_error_handler(request: Request, exc: APIError) -> JSONResponse:
     return error_response(exc)
+
+
+async def _store_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """A typed store error that no route mapped (jobs, keys): its own status, e.g. 503 store_unavailable."""
+    status = getattr(exc, "status_code", 500)
+    if not isinstance(status, int) or not 400 <= status < 600:
+        return await _unexpected_handler(request, exc)
+    return error_response(APIError(status, str(exc), code=getattr(exc, "code", None)))
 
 
 async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -114,7 +135,10 @@ async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error the app can raise through the OpenAI error format."""
+    from slime_server.buffer.schema import StoreError
+
     app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(StoreError, _store_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_handler)
     app.add_exception_handler(Exception, _unexpected_handler)

@@ -41,6 +41,7 @@ from slime_server.api.sessions_resolve import resolve_session
 from slime_server.rollout.protocol import GenerateOutput
 
 TOOL_PREFILL = '<tool_call>\n{"name": "'
+MIN_TOP_P = 1e-6  # smaller top_p values are sent as this (see sampling_params)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -101,11 +102,24 @@ def sampling_params(gw: Gateway, *, prompt_len: int, max_tokens: int | None, tem
     if room <= 0:
         raise bad_request(f"the prompt is {prompt_len} tokens; this model's context is {ctx} tokens",
                           param="messages", code="context_length_exceeded")
+    limit = gw.settings.max_prompt_tokens
+    if limit is not None and prompt_len > limit:
+        raise bad_request(f"the prompt is {prompt_len} tokens; this server accepts at most {limit}",
+                          param="messages", code="prompt_too_long")
     if max_tokens is not None and max_tokens > room:
         raise bad_request(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
                           f"context length ({ctx})", param="max_tokens", code="context_length_exceeded")
-    params: dict[str, Any] = {"max_new_tokens": max_tokens or room, "n": n,
+    cap = gw.settings.max_output_tokens
+    if cap is not None and max_tokens is not None and max_tokens > cap:
+        raise bad_request(f"max_tokens ({max_tokens}) is above this server's limit ({cap})",
+                          param="max_tokens", code="max_tokens_too_large")
+    default = room if cap is None else min(room, cap)
+    params: dict[str, Any] = {"max_new_tokens": max_tokens or default, "n": n,
                               "temperature": 1.0 if temperature is None else temperature}
+    if top_p is not None:  # the router reads floats as f32 (5e-324 -> 0.0, which the engine refuses); any
+        top_p = max(top_p, MIN_TOP_P)  # top_p <= 1/vocab keeps only the top token: this changes no sample
+    if top_k == 0:  # "disabled" in our docs; SGLang accepts only -1 for that
+        top_k = -1
     for key, value in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("seed", seed),
                        ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
         if value is not None:
@@ -213,7 +227,8 @@ class ChatTurn:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prefill_ids = gw.renderer.encode(self.prefill) if self.prefill else []
-        self.prepared = await recording.prepare_turn(gw.sessions, session_id, messages, tools, req.n, prefill_ids)
+        self.prepared = await recording.prepare_turn(gw.sessions, session_id, messages, tools, req.n, prefill_ids,
+                                                     owner=principal.session_owner)
         if gw.feedback is not None and not self.side:
             gw.feedback.on_turn_prepared(self.prepared, tools)
         prompt_ids = list(self.prepared.prompt_ids)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 16
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # the engines' sampling_seed is a non-negative 64-bit integer
 
 
 def new_id(prefix: str) -> str:
@@ -31,9 +32,11 @@ def now() -> int:
 
 
 class _Wire(BaseModel):
-    """Requests ignore unknown fields (as OpenAI does for forward compatibility)."""
+    """Requests ignore unknown fields (as OpenAI does for forward compatibility) and, like OpenAI, refuse
+    wrongly typed values (``"n": "2"``, ``"stream": "yes"``) instead of coercing them: the published
+    schema is then exactly what is accepted."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # ----------------------------------------------------------------------------- messages
@@ -113,13 +116,13 @@ class ChatCompletionRequest(_Wire):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="SGLang extra; -1 disables")
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, description="SGLang extra; -1 (or 0) disables")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="SGLang extra")
     ignore_eos: bool = Field(False, description="SGLang extra: generate exactly max_tokens (benchmarks)")
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -222,13 +225,13 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionRequest(_Wire):
     model: str
-    prompt: str | Annotated[list[int], Field(min_length=1)]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
     max_tokens: int = Field(16, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logprobs: int | None = Field(None, ge=0, le=5)
     stream: bool = False
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -305,6 +308,9 @@ class SessionCreated(BaseModel):
 class RewardRequest(_Wire):
     """A scalar reward for the whole session, or one reward per turn (in turn order)."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of the two (else 400)
+        {"required": ["reward"], "properties": {"reward": {"type": "number"}}},
+        {"required": ["turn_rewards"], "properties": {"turn_rewards": {"type": "array"}}}]})
     reward: float | None = Field(None, allow_inf_nan=False)
     turn_rewards: list[Annotated[float, Field(allow_inf_nan=False)]] | None = None
     idempotency_key: str | None = Field(None, max_length=200)
@@ -316,6 +322,10 @@ class RewardResult(BaseModel):
 
 
 class FeedbackRequest(_Wire):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # a thumb, a score or both (else 400)
+        {"required": ["thumb"], "properties": {"thumb": {"enum": ["up", "down"]}}},
+        {"required": ["score"], "properties": {"score": {"type": "number"}}}]})
+
     thumb: Literal["up", "down"] | None = None
     score: float | None = Field(None, allow_inf_nan=False)
     comment: str | None = Field(None, max_length=10_000)

@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter
 from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.errors import APIError
 from slime_server.api.protocol import ResponseMessage, Usage, new_id
+
+TOKENS = Counter("slime_recorded_tokens_total", "tokens of recorded turns, as billed in usage", ["kind"])
 
 
 @dataclass
@@ -30,28 +33,32 @@ class ChoiceOutcome:
 
 
 async def prepare_turn(sessions: Any, session_id: str | None, messages: list[dict[str, Any]],
-                       tools: list[dict[str, Any]] | None, n: int, prefill_ids: list[int]) -> Any:
+                       tools: list[dict[str, Any]] | None, n: int, prefill_ids: list[int],
+                       owner: str | None = None) -> Any:
     """Prompt ids for this turn (``prepared.prompt_ids``), with ``prefill_ids`` appended as prompt."""
-    prepared = await run_in_threadpool(call_store, sessions.prepare_turn, session_id, messages, tools, n=n)
+    prepared = await run_in_threadpool(call_store, sessions.prepare_turn, session_id, messages, tools, n=n,
+                                       owner=owner)
     if prefill_ids:
         prepared.prompt_ids = list(prepared.prompt_ids) + list(prefill_ids)
     return prepared
 
 
-async def prepare_raw(store: Any, session_id: str | None, prompt_ids: list[int], n: int) -> Any:
+async def prepare_raw(store: Any, session_id: str | None, prompt_ids: list[int], n: int,
+                      owner: str | None = None) -> Any:
     """A turn for ``/v1/completions``: raw prompt ids, always a fresh trajectory (new segment)."""
     from slime_server.sessions import PreparedTurn
 
     if session_id is None:
         return PreparedTurn(session_id=new_id("sess"), ephemeral=True, mode="new", prompt_ids=prompt_ids,
-                            messages=[], n=n)
+                            messages=[], n=n, owner=owner)
 
     def segment() -> int:
-        store.get_or_create_session(session_id)
+        store.get_or_create_session(session_id, owner=owner)
         return max((t.segment for t in store.get_trajectories(session_id)), default=-1) + 1
 
     seg = await run_in_threadpool(call_store, segment)
-    return PreparedTurn(session_id=session_id, mode="new", segment=seg, prompt_ids=prompt_ids, messages=[], n=n)
+    return PreparedTurn(session_id=session_id, mode="new", segment=seg, prompt_ids=prompt_ids, messages=[], n=n,
+                        owner=owner)
 
 
 async def commit_turn(sessions: Any, prepared: Any, outcomes: list[ChoiceOutcome], response_id: str,
@@ -67,7 +74,10 @@ async def commit_turn(sessions: Any, prepared: Any, outcomes: list[ChoiceOutcome
         )
         for o in outcomes
     ]
-    return await run_in_threadpool(call_store, sessions.commit_turn, prepared, choices)
+    records = await run_in_threadpool(call_store, sessions.commit_turn, prepared, choices)
+    TOKENS.labels("prompt").inc(usage.prompt_tokens)
+    TOKENS.labels("completion").inc(usage.completion_tokens)
+    return records
 
 
 def call_store(fn, *args: Any, **kwargs: Any) -> Any:
@@ -82,7 +92,7 @@ def call_store(fn, *args: Any, **kwargs: Any) -> Any:
         if isinstance(e, ChatTemplateError):  # the conversation cannot be rendered: the client's input
             raise APIError(400, str(e), param="messages", code="invalid_messages") from e
         status = getattr(e, "status_code", None) or getattr(e, "http_status", None)
-        if isinstance(status, int) and 400 <= status < 500:
+        if isinstance(status, int) and 400 <= status < 600:  # 4xx: the request; 503: the store (disk full, read-only)
             raise APIError(status, str(e), code=getattr(e, "code", None)) from e
         if isinstance(e, LookupError):
             raise APIError(404, str(e) or "not found", code="not_found") from e

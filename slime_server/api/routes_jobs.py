@@ -1,13 +1,12 @@
 """Jobs REST: create, inspect, pause/resume/cancel, metrics, events (SSE) and checkpoints.
 
-Every route needs the admin key: ``gateway.admin_api_key`` when set, else the server key (a
-per-session key is never enough). Errors are OpenAI-shaped like the rest of the API.
+Every route needs an admin key (``api/auth.py``: the admin key, a minted admin key, or the server
+key when no admin key is set); agent and session keys get 403. Errors are OpenAI-shaped like the rest of the API.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from typing import Annotated, Any
 
@@ -15,8 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from slime_server.api.app import Gateway, get_gateway, get_principal
-from slime_server.api.auth import bearer_token
+from slime_server.api.app import Gateway, get_gateway, require_admin
 from slime_server.api.errors import APIError
 from slime_server.api.protocol import ErrorResponse
 from slime_server.buffer.job_store import EventRow, MetricsRow
@@ -33,20 +31,9 @@ def get_jobs(request: Request) -> JobManager:
     return gw.jobs
 
 
-def require_admin(request: Request) -> None:
-    gw: Gateway = get_gateway(request)
-    admin_key = gw.settings.admin_api_key
-    if admin_key is None:
-        get_principal(request).require_admin()
-        return
-    token = bearer_token(request)
-    if token is None:
-        raise APIError(401, "missing admin key (Authorization: Bearer ...)", code="invalid_api_key")
-    if not hmac.compare_digest(token, admin_key):
-        raise APIError(403, "jobs need the admin key", code="admin_required")
-
-
 Jobs = Annotated[JobManager, Depends(get_jobs)]
+TERMINAL = ("completed", "failed", "cancelled")
+MAX_SEQ = 2**63 - 1  # SQLite integers are 64-bit: a larger cursor would be a 500, not a 400
 Admin = Depends(require_admin)
 
 
@@ -88,7 +75,7 @@ async def cancel_job(job_id: str, jobs: Jobs) -> JobView:
 
 
 @router.get("/{job_id}/metrics", response_model=list[MetricsRow], dependencies=[Admin])
-async def job_metrics(job_id: str, jobs: Jobs, since_step: Annotated[int, Query(ge=0)] = 0) -> list[MetricsRow]:
+async def job_metrics(job_id: str, jobs: Jobs, since_step: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0) -> list[MetricsRow]:
     return await _call(jobs.metrics, job_id, since_step)
 
 
@@ -111,14 +98,21 @@ async def list_checkpoints(job_id: str, jobs: Jobs) -> dict[str, Any]:
 
 @router.get("/{job_id}/events", dependencies=[Admin], responses={200: {"content": {"text/event-stream": {}}}})
 async def job_events(job_id: str, jobs: Jobs, request: Request,
-                     after: Annotated[int, Query(ge=0, description="replay events after this seq")] = 0,
+                     after: Annotated[int, Query(ge=0, le=MAX_SEQ, description="replay events after this seq")] = 0,
                      follow: bool = True) -> StreamingResponse:
-    """Server-sent events: the stored history after ``after``, then live events while ``follow``."""
-    history: list[EventRow] = await _call(jobs.events, job_id, after)
+    """Server-sent events: the stored history after ``after``, then live events while ``follow``.
+
+    The stream ends with the job's terminal event, and at once for a job that had already ended."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[EventRow] = asyncio.Queue()
-    unsubscribe = jobs.subscribe(
+    unsubscribe = jobs.subscribe(  # before reading the history, so no event falls between the two
         lambda jid, ev: loop.call_soon_threadsafe(queue.put_nowait, ev) if jid == job_id else None)
+    try:
+        ended = (await _call(jobs.get, job_id)).status in TERMINAL
+        history: list[EventRow] = await _call(jobs.events, job_id, after)
+    except BaseException:
+        unsubscribe()
+        raise
 
     def frame(ev: EventRow) -> str:
         return f"id: {ev.seq}\nevent: {ev.kind}\ndata: {json.dumps(ev.model_dump(), default=str)}\n\n"
@@ -129,16 +123,20 @@ async def job_events(job_id: str, jobs: Jobs, request: Request,
             for ev in history:
                 last = ev.seq
                 yield frame(ev)
+            if any(ev.kind in TERMINAL for ev in history):
+                return
             while follow and not await request.is_disconnected():
-                try:
-                    ev = await asyncio.wait_for(queue.get(), timeout=15)
+                try:  # an ended job's last event is already queued, if it is not in the history
+                    ev = await asyncio.wait_for(queue.get(), timeout=1 if ended else 15)
                 except TimeoutError:
+                    if ended or (await _call(jobs.get, job_id)).status in TERMINAL:
+                        return
                     yield ": keep-alive\n\n"
                     continue
                 if ev.seq > last:
                     last = ev.seq
                     yield frame(ev)
-                    if ev.kind in ("completed", "failed", "cancelled"):
+                    if ev.kind in TERMINAL:
                         return
         finally:
             unsubscribe()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
@@ -35,8 +35,8 @@ router = APIRouter(prefix="/v1", responses=ERRORS)
 GW = Annotated[Gateway, Depends(get_gateway)]
 Caller = Annotated[Principal, Depends(get_principal)]
 SessionHeader = Annotated[str | None, Header(alias="X-Session-Id", max_length=200)]
-TurnTypeHeader = Annotated[str | None, Header(alias="X-Turn-Type", max_length=20,
-                                              description="main (default) | side: served, recorded, never trained")]
+TurnTypeHeader = Annotated[Literal["main", "side"] | None, Header(
+    alias="X-Turn-Type", description="main (default) | side: served, recorded, never trained")]
 
 
 @router.get("/models", response_model=ModelList)
@@ -88,7 +88,7 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
         presence_penalty=req.presence_penalty)
     session_id = resolve_session(principal, x_session_id, req.metadata)
     await gw.admit(session_id, req.metadata)
-    prepared = await recording.prepare_raw(gw.store, session_id, prompt_ids, req.n)
+    prepared = await recording.prepare_raw(gw.store, session_id, prompt_ids, req.n, owner=principal.session_owner)
     response_id = new_id("cmpl")
     outs = await gw.generate(prepared.session_id, response_id, prompt_ids, params, return_logprob=True,
                              top_logprobs_num=req.logprobs or 0)

@@ -38,19 +38,23 @@ Caller = Annotated[Principal, Depends(get_principal)]
 
 @router.post("/sessions", response_model=SessionCreated)
 async def create_session(body: CreateSessionRequest, gw: GW, principal: Caller) -> SessionCreated:
-    principal.require_admin()
+    principal.require_agent()
     from slime_server.buffer.schema import new_id
 
     session_id = new_id("sess")
     key, key_hash = mint_session_key(session_id) if body.with_key else (None, None)
     session = await run_in_threadpool(call_store, gw.store.create_session, session_id, group_id=body.group_id,
-                                      metadata=body.metadata, key_hash=key_hash)
+                                      metadata=body.metadata, key_hash=key_hash, owner=principal.session_owner)
     return SessionCreated(id=session.id, group_id=session.group_id, api_key=key)
 
 
 async def _session(gw: Gateway, principal: Principal, session_id: str) -> Any:
-    principal.check_session(session_id)
-    return await run_in_threadpool(get_session_or_404, gw.store, session_id)
+    """The session if the caller may reach it: 403 for another key's session (checked before the
+    lookup for session keys, so they cannot probe which ids exist)."""
+    principal.check_session_id(session_id)
+    session = await run_in_threadpool(get_session_or_404, gw.store, session_id)
+    principal.check_session(session)
+    return session
 
 
 @router.get("/sessions/{session_id}", response_model=SessionView)
@@ -103,7 +107,7 @@ async def feedback(response_id: str, body: FeedbackRequest, gw: GW, principal: C
     found = await run_in_threadpool(call_store, gw.store.find_by_response_id, response_id)
     if not found:
         raise APIError(404, f"unknown response '{response_id}'", code="response_not_found")
-    principal.check_session(found[0][0].session_id)
+    await _session(gw, principal, found[0][0].session_id)
     fb = await run_in_threadpool(call_store, gw.store.add_feedback, response_id, thumb=body.thumb,
                                  score=body.score, comment=body.comment)
     return FeedbackResult(response_id=response_id, session_id=fb.session_id)

@@ -18,6 +18,7 @@ from typing import Any
 from slime_server.config import GatewaySettings, ServerSettings
 from slime_server.online.feedback import OnlineSettings
 from slime_server.online.preset import add_online_arguments, judge_settings, online_job_spec
+from slime_server.rollout.supervisor import EngineSupervisor
 
 
 class GatewayThread:
@@ -54,10 +55,13 @@ class RunningServer:
     base_url: str
     jobs: Any = None  # JobManager
     judge: Any = None  # online.judge_server.JudgeDeployment (serve --online --judge-engine-model)
+    supervisor: Any = None  # rollout.supervisor.EngineSupervisor
 
     def stop(self) -> None:
         try:
             self.gateway.stop()
+            if self.supervisor is not None:
+                self.supervisor.stop()
             if self.jobs is not None:
                 self.jobs.shutdown()  # jobs stay active in the store: the next start resumes them
         finally:
@@ -71,7 +75,7 @@ class RunningServer:
 def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls: Any,
                 default_evals: list[tuple[str, str]] | None = None, eval_env: str | None = None) -> Any:
     """A JobManager over the gateway's store (jobs in the same SQLite file), restored from it."""
-    from slime_server.buffer.job_store import SQLiteJobStore
+    from slime_server.buffer.open import open_job_store
     from slime_server.jobs import JobManager, JobSpec
     from slime_server.launch import start_trainer_group
 
@@ -88,7 +92,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
             loop.settings = loop.settings.model_copy(update={"sync": True})
 
     host = "127.0.0.1" if gw.settings.host in ("0.0.0.0", "::") else gw.settings.host
-    jobs = JobManager(gw.store, SQLiteJobStore(gw.settings.db_path), make_trainer, engine_urls, tr.work_dir,
+    jobs = JobManager(gw.store, open_job_store(gw.settings.db_path), make_trainer, engine_urls, tr.work_dir,
                       served_model=gw.model_name, loop_hook=colocated,
                       gateway_url=f"http://{host}:{gw.settings.port}/v1", api_key=gw.settings.api_key,
                       default_evals=default_evals or [], default_eval_env=eval_env)
@@ -138,7 +142,7 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
 
         settings = with_judge_cpus(settings, judge_engines)
     dep = Deployment.start(settings, log_dir=log_dir)
-    jobs = judge = None
+    jobs = judge = supervisor = None
     try:
         print(f"router_url: {dep.router_url}", flush=True)
         if judge_engine_model is not None and online is not None:
@@ -150,21 +154,26 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
             print(f"judge_base_url: {judge.base_url} (router {judge.deployment.router_url}, "
                   f"{judge_engines} engine(s), calls recorded in {judge.db_path})", flush=True)
         app = build_gateway(dep.router_url, model_path, gw_settings)
-        if trainer:
-            jobs = attach_jobs(app.state.gw, settings, model_path, lambda: dep.engine_urls, default_evals, eval_env)
+        supervisor = EngineSupervisor(lambda: dep.engine_urls, dep.router)
+        if trainer:  # weights go to the engines in rotation; a restarted one is caught up on its own
+            jobs = attach_jobs(app.state.gw, settings, model_path, supervisor.serving_urls, default_evals, eval_env)
+            supervisor.catch_up = jobs.catch_up_engine
+        supervisor.start()
         if online is not None:
             attach_online(app.state.gw, online, gw_settings)
         gateway = GatewayThread(app, gw_settings.host, gw_settings.port).start()
         if online_job is not None and jobs is not None:
             start_online_job(jobs, online_job)
     except BaseException:
+        if supervisor is not None:
+            supervisor.stop()
         if jobs is not None:
             jobs.shutdown()
         if judge is not None:
             judge.stop()
         dep.shutdown()
         raise
-    return RunningServer(dep, gateway, f"http://{gw_settings.host}:{gw_settings.port}/v1", jobs, judge)
+    return RunningServer(dep, gateway, f"http://{gw_settings.host}:{gw_settings.port}/v1", jobs, judge, supervisor)
 
 
 class ServeCommand:

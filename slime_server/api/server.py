@@ -8,7 +8,7 @@ to prove that what was answered was already durable.
 from __future__ import annotations
 
 import argparse
-import logging
+import json
 from pathlib import Path
 
 import uvicorn
@@ -16,16 +16,17 @@ from fastapi import FastAPI
 
 from slime_server.api.app import create_app
 from slime_server.config import GatewaySettings
+from slime_server.utils.logs import setup_logging
 
 
 def build_gateway(router_url: str, model_path: str | Path, settings: GatewaySettings) -> FastAPI:
-    """Wire renderer, SQLite store and session manager into the app (one SQLite file per gateway)."""
+    """Wire renderer, store (a SQLite file, or Postgres shared by replicas) and session manager into the app."""
     from slime_server.api.chat_template import ChatRenderer
-    from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+    from slime_server.buffer.open import open_store
     from slime_server.sessions import SessionManager
 
     renderer = ChatRenderer(model_path)
-    store = SQLiteTrajectoryStore(settings.db_path)
+    store = open_store(settings.db_path)
     sessions = SessionManager(store, renderer)
     name = settings.served_model_name or Path(model_path).name
     return create_app(router_url=router_url, renderer=renderer, sessions=sessions, store=store,
@@ -40,22 +41,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--db-path", default="slime_server.db")
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--admin-api-key", default=None)
+    ap.add_argument("--settings-json", default="{}", help="more GatewaySettings fields as JSON (limits, CORS, ...)")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--tool-parser", default="hermes")
     ap.add_argument("--reasoning-parser", default="qwen3", help='"" disables')
     ap.add_argument("--engine-supports-penalties", action="store_true")
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--log-format", choices=("text", "json"), default="text")
     ap.add_argument("--online", action="store_true", help="implicit feedback: judge turns from the user's next one")
     ap.add_argument("--judge-url", default=None, help="judge /v1 (default: this gateway)")
     ap.add_argument("--judge-model", default=None)
     ap.add_argument("--judge-votes", type=int, default=1)
     ap.add_argument("--no-opd", action="store_true", help="do not score judge hints with the hinted teacher")
     a = ap.parse_args(argv)
-    settings = GatewaySettings(host=a.host, port=a.port, db_path=a.db_path, api_key=a.api_key,
-                               served_model_name=a.served_model_name, tool_parser=a.tool_parser,
-                               reasoning_parser=a.reasoning_parser or None,
-                               engine_supports_penalties=a.engine_supports_penalties)
-    logging.basicConfig(level=a.log_level.upper())
+    settings = GatewaySettings(**{
+        "host": a.host, "port": a.port, "db_path": a.db_path, "api_key": a.api_key, "admin_api_key": a.admin_api_key,
+        "served_model_name": a.served_model_name, "tool_parser": a.tool_parser,
+        "reasoning_parser": a.reasoning_parser or None, "engine_supports_penalties": a.engine_supports_penalties,
+        **json.loads(a.settings_json)})
+    setup_logging(a.log_level, a.log_format)
     app = build_gateway(a.router_url, a.model_path, settings)
     if a.online:
         from slime_server.api.serve_cmd import attach_online

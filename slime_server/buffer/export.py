@@ -105,7 +105,8 @@ class ExportCommand:
     help = "export trajectories from the trajectory store as slime samples (JSONL or Parquet)"
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--db-path", default=None, help="SQLite trajectory store (default: settings gateway.db_path)")
+        parser.add_argument("--db-path", default=None,
+                            help="SQLite file or postgresql:// URL (default: settings gateway.db_path)")
         parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
         parser.add_argument("--output", "-o", default=None, help="file to write (default: trajectories.<format>)")
         parser.add_argument("--status", choices=("finished", "open", "aborted", "all"), default="finished")
@@ -114,15 +115,15 @@ class ExportCommand:
     def run(self, args: Any, settings: Any) -> int:
         import sys
 
-        from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+        from slime_server.buffer.open import is_postgres_url, open_store
 
-        db = Path(args.db_path or settings.gateway.db_path)
-        if not db.is_file():  # never create an empty store by mistake
+        db = args.db_path or settings.gateway.db_path
+        if not is_postgres_url(db) and not Path(db).is_file():  # never create an empty store by mistake
             print(f"error: no trajectory store at {db}", file=sys.stderr)
             return 2
         out = Path(args.output or f"trajectories.{args.format}")
         status = None if args.status == "all" else args.status
-        store = SQLiteTrajectoryStore(str(db))
+        store = open_store(str(db))
         try:
             fn = export_jsonl if args.format == "jsonl" else export_parquet
             try:

@@ -50,6 +50,13 @@ class ResponseNotFound(NotFoundError):
     code = "response_not_found"
 
 
+class SessionForbidden(StoreError):
+    """The caller's key does not own the session it named (agent keys reach only their own)."""
+
+    status_code = 403
+    code = "session_forbidden"
+
+
 class ConflictError(StoreError):
     status_code = 409
     code = "conflict"
@@ -73,6 +80,14 @@ class StaleWriteError(ConflictError):
     """A trajectory changed between read and write (optimistic concurrency); the caller retries."""
 
     code = "stale_write"
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot take writes (disk full, read-only, I/O error): the request failed, nothing was
+    half-written (the transaction rolled back), and the same request can succeed once the fault is fixed."""
+
+    status_code = 503
+    code = "store_unavailable"
 
 
 class ToolCallRef(BaseModel):
@@ -100,6 +115,7 @@ class Session(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     status: SessionStatus = "open"
     key_hash: str | None = None
+    owner: str | None = None  # the agent key that created it (api/auth.py); None: admin/open
     # Times a request could not extend any earlier trajectory and began a new segment (decision 3).
     segment_splits: int = 0
     created_at: float = Field(default_factory=now)

@@ -2,7 +2,9 @@
 
 Why one helper: the trajectory store and the job store share a file and must agree on WAL,
 ``synchronous=FULL`` (a returned commit survives a power cut) and ``BEGIN IMMEDIATE`` writes
-(concurrent writers queue instead of failing half-way).
+(concurrent writers queue instead of failing half-way). A disk that is full, read-only or failing
+surfaces as ``StoreUnavailable`` (503 at the gateway) after the transaction is rolled back, so a
+failed write leaves nothing half-written and the connection usable once the fault is gone.
 """
 
 from __future__ import annotations
@@ -14,7 +16,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+from slime_server.buffer.schema import StoreUnavailable
+
 T = TypeVar("T")
+
+# Primary SQLite result codes that mean "the storage cannot serve this now", not "the request is wrong":
+# BUSY (the busy timeout ran out), READONLY, IOERR, FULL, CANTOPEN.
+_UNAVAILABLE = {5: "busy", 8: "read-only", 10: "failing (I/O error)", 13: "full", 14: "not openable"}
+
+
+def unavailable(exc: BaseException) -> StoreUnavailable | None:
+    """``StoreUnavailable`` for an sqlite3 error caused by the storage (disk full, read-only, ...), else None."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if not isinstance(exc, sqlite3.Error) or not isinstance(code, int) or (code & 0xFF) not in _UNAVAILABLE:
+        return None
+    return StoreUnavailable(f"the trajectory store is {_UNAVAILABLE[code & 0xFF]}: {exc}")
 
 
 class ThreadConnections:
@@ -30,36 +46,53 @@ class ThreadConnections:
     def conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            # isolation_level=None: we issue BEGIN/COMMIT ourselves, so nothing is committed implicitly.
+            conn = self._connect()
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, so nothing is committed implicitly.
+        conn = None
+        try:
             conn = sqlite3.connect(self.path, timeout=self._busy_timeout_s, isolation_level=None,
                                    check_same_thread=False)
             conn.row_factory = sqlite3.Row
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
-            self._local.conn = conn
-            with self._conns_lock:
-                self._conns.append(conn)
-        return conn
+            return conn
+        except sqlite3.Error as e:
+            if conn is not None:
+                conn.close()
+            _raise_unavailable(e)
+            raise
 
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         conn = self.conn()
-        conn.execute("BEGIN IMMEDIATE")
         try:
+            conn.execute("BEGIN IMMEDIATE")
             yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
+            conn.execute("COMMIT")
+        except BaseException as e:
+            _rollback(conn)
+            _raise_unavailable(e)
             raise
-        conn.execute("COMMIT")
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         conn = self.conn()
-        conn.execute("BEGIN")
         try:
-            return fn(conn)
-        finally:
-            conn.execute("COMMIT")
+            conn.execute("BEGIN")
+            try:
+                return fn(conn)
+            finally:
+                conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            _rollback(conn)
+            _raise_unavailable(e)
+            raise
 
     def close(self) -> None:
         with self._conns_lock:
@@ -67,3 +100,19 @@ class ThreadConnections:
         for conn in conns:
             conn.close()
         self._local = threading.local()
+
+
+def _raise_unavailable(exc: BaseException) -> None:
+    fault = unavailable(exc)
+    if fault is not None:
+        raise fault from exc
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """End a failed transaction, keeping the original error: SQLite may already have rolled it back
+    itself (SQLITE_FULL does), and a failed COMMIT may leave it open (the next BEGIN would then fail)."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass

@@ -27,6 +27,7 @@ from slime_server.buffer.schema import (
     Session,
     SessionClosedError,
     SessionExistsError,
+    SessionForbidden,
     SessionNotFound,
     StaleWriteError,
     StoreError,
@@ -115,6 +116,10 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE trajectories ADD COLUMN consumed_job TEXT;
     """,
+    # 3: which agent key owns a session (agent keys reach only their own sessions).
+    """
+    ALTER TABLE sessions ADD COLUMN owner TEXT;
+    """,
 ]
 
 _TRAJ_COLUMNS = ("id, session_id, segment, branch, group_id, tokens, loss_mask, rollout_logprobs, "
@@ -132,8 +137,15 @@ def _unpack(blob: bytes, dtype: str) -> list[Any]:
 
 def _session_from_row(row: sqlite3.Row) -> Session:
     return Session(id=row["id"], group_id=row["group_id"], metadata=json.loads(row["metadata"]),
-                   status=row["status"], key_hash=row["key_hash"], segment_splits=row["segment_splits"],
+                   status=row["status"], key_hash=row["key_hash"], owner=row["owner"], segment_splits=row["segment_splits"],
                    created_at=row["created_at"], updated_at=row["updated_at"])
+
+
+def _owned(session: Session, owner: str | None) -> Session:
+    """``session`` if a caller recording as ``owner`` (None: admin) may use it."""
+    if owner is not None and session.owner != owner:
+        raise SessionForbidden(f"session {session.id!r} belongs to another API key")
+    return session
 
 
 def _traj_from_row(row: sqlite3.Row) -> Trajectory:
@@ -205,15 +217,16 @@ class SQLiteTrajectoryStore(TrajectoryStore):
 
     @staticmethod
     def _insert_session(conn: sqlite3.Connection, s: Session) -> None:
-        conn.execute("INSERT INTO sessions (id, group_id, metadata, status, key_hash, segment_splits, created_at, "
-                     "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                     (s.id, s.group_id, json.dumps(s.metadata), s.status, s.key_hash, s.segment_splits,
+        conn.execute("INSERT INTO sessions (id, group_id, metadata, status, key_hash, owner, segment_splits, "
+                     "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     (s.id, s.group_id, json.dumps(s.metadata), s.status, s.key_hash, s.owner, s.segment_splits,
                       s.created_at, s.updated_at))
 
     def create_session(self, session_id: str | None = None, *, group_id: str | None = None,
-                       metadata: dict[str, Any] | None = None, key_hash: str | None = None) -> Session:
+                       metadata: dict[str, Any] | None = None, key_hash: str | None = None,
+                       owner: str | None = None) -> Session:
         s = Session(id=session_id or f"sess-{uuid.uuid4().hex}", group_id=group_id, metadata=metadata or {},
-                    key_hash=key_hash)
+                    key_hash=key_hash, owner=owner)
         with self._write() as conn:
             if conn.execute("SELECT 1 FROM sessions WHERE id = ?", (s.id,)).fetchone():
                 raise SessionExistsError(f"session {s.id!r} already exists")
@@ -224,16 +237,16 @@ class SQLiteTrajectoryStore(TrajectoryStore):
         return self._read(lambda c: self._session(c, session_id))
 
     def get_or_create_session(self, session_id: str, *, group_id: str | None = None,
-                              metadata: dict[str, Any] | None = None) -> Session:
+                              metadata: dict[str, Any] | None = None, owner: str | None = None) -> Session:
         try:  # the common case reads only, so it never waits for the write lock
-            return self.get_session(session_id)
+            return _owned(self.get_session(session_id), owner)
         except SessionNotFound:
             pass
         with self._write() as conn:
             try:
-                return self._session(conn, session_id)
+                return _owned(self._session(conn, session_id), owner)
             except SessionNotFound:
-                s = Session(id=session_id, group_id=group_id, metadata=metadata or {})
+                s = Session(id=session_id, group_id=group_id, metadata=metadata or {}, owner=owner)
                 self._insert_session(conn, s)
                 return s
 

@@ -52,7 +52,8 @@ class TrajectoryStore(ABC):
     # ---------------------------------------------------------------- sessions
     @abstractmethod
     def create_session(self, session_id: str | None = None, *, group_id: str | None = None,
-                       metadata: dict[str, Any] | None = None, key_hash: str | None = None) -> Session:
+                       metadata: dict[str, Any] | None = None, key_hash: str | None = None,
+                       owner: str | None = None) -> Session:
         """Create a session (a fresh id when none is given); ``SessionExistsError`` if taken."""
 
     @abstractmethod
@@ -61,8 +62,10 @@ class TrajectoryStore(ABC):
 
     @abstractmethod
     def get_or_create_session(self, session_id: str, *, group_id: str | None = None,
-                              metadata: dict[str, Any] | None = None) -> Session:
-        """Sessions named by a client header come into being on first use."""
+                              metadata: dict[str, Any] | None = None, owner: str | None = None) -> Session:
+        """Sessions named by a client header come into being on first use (owned by ``owner``).
+
+        With ``owner`` set, an existing session owned by anyone else raises ``SessionForbidden``."""
 
     @abstractmethod
     def close_session(self, session_id: str) -> Session:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_N = 64
 MAX_TOP_LOGPROBS = 100
+SAMPLING_EPS = 1e-6  # temperatures below this are greedy (SGLang's _SAMPLING_EPS)
 
 
 class _Lenient(BaseModel):
@@ -25,7 +26,7 @@ class _Lenient(BaseModel):
 
 
 class SamplingParams(_Lenient):
-    """SGLang ``sampling_params``. temperature 0 means greedy (SGLang maps it to top_k=1)."""
+    """SGLang ``sampling_params``. temperature 0 (or below SAMPLING_EPS) is greedy (SGLang: top_k=1)."""
 
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -42,6 +43,12 @@ class SamplingParams(_Lenient):
     no_stop_trim: bool = False
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, v: float) -> float:
+        # as SGLang (_SAMPLING_EPS): logits / 1e-40 overflow to inf and the sampler would see NaN
+        return 0.0 if v < SAMPLING_EPS else v
 
     @field_validator("stop", mode="before")
     @classmethod

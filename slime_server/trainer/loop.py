@@ -187,6 +187,9 @@ class TrainLoop:
         self.checkpoint_done = threading.Condition()
         self.trainer: Trainer | None = None
         self._last_step_end = time.monotonic()
+        # held from a train step to its version bump and push: a catch-up push (sync_engine) never
+        # interleaves with them, so the weights it sends always carry their own version number
+        self._push_lock = threading.RLock()
 
     # ------------------------------------------------------------------ lifecycle
     def start_trainer(self) -> None:
@@ -323,13 +326,14 @@ class TrainLoop:
         if s.sync:
             self.engines.pause()
         try:
-            metrics = dict(self.trainer.train_step(samples, bump_version=False))
-            self.store.mark_consumed([t.id for t in batch.trajectories], self.state.step + 1, self.job_id)
-            self.state.step += 1
-            self.state.version += 1
-            push: dict[str, Any] | None = None
-            if self.state.step % s.update_weights_interval == 0:
-                push = self._push()
+            with self._push_lock:
+                metrics = dict(self.trainer.train_step(samples, bump_version=False))
+                self.store.mark_consumed([t.id for t in batch.trajectories], self.state.step + 1, self.job_id)
+                self.state.step += 1
+                self.state.version += 1
+                push: dict[str, Any] | None = None
+                if self.state.step % s.update_weights_interval == 0:
+                    push = self._push()
         finally:
             if s.sync:
                 self.engines.resume()
@@ -365,10 +369,20 @@ class TrainLoop:
         self.on_event("checkpoint", ckpt.model_dump())
         return ckpt
 
+    def sync_engine(self, url: str) -> bool:
+        """Bring one (restarted) engine to the current weights; False when there is no trainer yet."""
+        with self._push_lock:
+            if self.trainer is None:
+                return False
+            stats = self.trainer.push_weights([url], self.state.version, self.settings.bucket_bytes)
+        self.on_event("engine_caught_up", {"url": url, "version": self.state.version, "seconds": stats.get("seconds")})
+        return True
+
     def _push(self) -> dict[str, Any]:
         assert self.trainer is not None
-        urls = self.engines.urls()
-        stats = self.trainer.push_weights(urls, self.state.version, self.settings.bucket_bytes)
+        with self._push_lock:
+            urls = self.engines.urls()
+            stats = self.trainer.push_weights(urls, self.state.version, self.settings.bucket_bytes)
         self.on_event("weights_pushed", {"version": self.state.version, "engines": len(urls),
                                          "seconds": stats.get("seconds"), "bytes": stats.get("bytes")})
         return stats

@@ -1,0 +1,227 @@
+"""``/dashboard``: a live view of jobs, training curves, engines and recorded sessions.
+
+Why here and this shape: the server already holds everything the page shows, so the page is static
+files (plain JS, uPlot vendored in ``dashboard_static/``, no build step, nothing fetched from a CDN)
+served without auth, and every piece of data comes from the JSON API with the admin key, so the
+page grants nothing a ``curl`` with that key could not do. Jobs, metrics and trajectories use the
+existing routes (``/jobs``, ``/v1/sessions/{id}/trajectory``); this module adds only what had no
+route yet: engine health and load, recent sessions, and token ids -> text for the token view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from slime_server.api.app import Gateway, get_gateway
+from slime_server.api.errors import APIError
+from slime_server.api.protocol import ErrorResponse
+from slime_server.api.routes_jobs import Admin
+
+STATIC = Path(str(resources.files("slime_server.api") / "dashboard_static"))
+PROBE_TIMEOUT_S = 2.0  # a stuck engine must not stall the page's 2 s poll for long
+MAX_DETOKENIZE = 65_536
+_MEDIA = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".txt": "text/plain",
+          ".md": "text/plain"}
+
+router = APIRouter(prefix="/dashboard", tags=["dashboard"])
+api = APIRouter(prefix="/api", dependencies=[Admin],
+                responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404)})
+
+
+# ---------------------------------------------------------------- page and static files (no auth)
+@router.get("", response_class=HTMLResponse, include_in_schema=False)
+async def page() -> HTMLResponse:
+    return HTMLResponse((STATIC / "index.html").read_text(), headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/static/{name}", include_in_schema=False)
+async def static_file(name: str) -> FileResponse:
+    """Only plain file names of the static folder: no paths, so nothing outside it is reachable."""
+    path = STATIC / name
+    if "/" in name or "\\" in name or name.startswith(".") or not path.is_file():
+        raise APIError(404, f"unknown dashboard file: {name}", code="unknown_url")
+    return FileResponse(path, media_type=_MEDIA.get(path.suffix, "application/octet-stream"),
+                        headers={"Cache-Control": "no-cache"})
+
+
+# ---------------------------------------------------------------- engines
+class EngineInfo(BaseModel):
+    url: str
+    router_healthy: bool | None = Field(None, description="the router's own health flag; None: not in the router")
+    router_load: int | None = Field(None, description="requests the router counts on this worker")
+    healthy: bool = Field(description="the engine's /health answered 200")
+    running_reqs: int | None = None
+    waiting_reqs: int | None = None
+    weight_version: str | None = None
+    error: str | None = None
+
+
+class EnginesView(BaseModel):
+    router_url: str
+    router_reachable: bool
+    router_error: str | None = None
+    engines: list[EngineInfo]
+
+
+async def _probe(http: httpx.AsyncClient, url: str, router_healthy: bool | None, router_load: int | None) -> EngineInfo:
+    """One engine's /health, /get_load and /get_weight_version (SGLang's routes; each may be missing)."""
+    info = EngineInfo(url=url, router_healthy=router_healthy, router_load=router_load, healthy=False)
+    try:
+        info.healthy = (await http.get(f"{url}/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
+    except httpx.HTTPError as e:
+        info.error = f"health: {type(e).__name__}"
+        return info
+    try:
+        r = await http.get(f"{url}/get_load", timeout=PROBE_TIMEOUT_S)
+        if r.status_code == 200:
+            body = r.json()
+            ranks = body if isinstance(body, list) else [body]  # one entry per data-parallel rank
+            total = sum(int(x.get("num_reqs", 0)) for x in ranks)
+            info.waiting_reqs = sum(int(x.get("num_waiting_reqs", 0)) for x in ranks)
+            info.running_reqs = max(0, total - info.waiting_reqs)
+        r = await http.get(f"{url}/get_weight_version", timeout=PROBE_TIMEOUT_S)
+        if r.status_code == 200:
+            info.weight_version = str(r.json().get("weight_version"))
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
+        info.error = f"load: {type(e).__name__}"
+    return info
+
+
+@api.get("/engines", response_model=EnginesView)
+async def engines(request: Request) -> EnginesView:
+    """The router's workers, each probed directly; if the router is down, the deployment's engine list."""
+    gw: Gateway = get_gateway(request)
+    router_url, http = gw.engine.base_url, gw.engine.http
+    view = EnginesView(router_url=router_url, router_reachable=False, engines=[])
+    workers: list[tuple[str, bool | None, int | None]] = []
+    try:
+        r = await http.get(f"{router_url}/workers", timeout=PROBE_TIMEOUT_S)
+        r.raise_for_status()
+        workers = [(w["url"], bool(w.get("is_healthy", True)), w.get("load"))
+                   for w in r.json().get("workers", [])]
+        view.router_reachable = True
+    except (httpx.HTTPError, ValueError, KeyError, AttributeError) as e:
+        view.router_error = f"{type(e).__name__}: {e}"[:300]
+        known = gw.jobs.engine_urls() if gw.jobs is not None else []
+        workers = [(u, None, None) for u in known]
+    view.engines = list(await asyncio.gather(*(_probe(http, *w) for w in workers)))
+    return view
+
+
+# ---------------------------------------------------------------- sessions
+class SessionRow(BaseModel):
+    id: str
+    status: str
+    group_id: str | None = None
+    created_at: float
+    updated_at: float
+    num_trajectories: int
+    num_tokens: int
+    reward: float | None = Field(None, description="reward of the newest rewarded trajectory")
+    metadata: dict[str, Any] = {}
+
+
+class SessionList(BaseModel):
+    object: str = "list"
+    data: list[SessionRow]
+
+
+_RECENT_SESSIONS_SQL = """
+SELECT s.id, s.status, s.group_id, s.created_at, s.updated_at, s.metadata,
+       (SELECT COUNT(*) FROM trajectories t WHERE t.session_id = s.id) AS n_traj,
+       (SELECT COALESCE(SUM(t.n_tokens), 0) FROM trajectories t WHERE t.session_id = s.id) AS n_tokens,
+       (SELECT t.reward FROM trajectories t WHERE t.session_id = s.id AND t.reward IS NOT NULL
+         ORDER BY t.seq DESC LIMIT 1) AS reward
+FROM sessions s ORDER BY s.rowid DESC LIMIT ?
+"""
+
+
+def recent_sessions(store: Any, limit: int) -> list[SessionRow]:
+    """Newest sessions first, read from the SQLite store's file over a read-only connection: the
+    store interface has no listing of sessions, and this view must never write. Other stores
+    (Postgres) list their own."""
+    if hasattr(store, "recent_sessions"):
+        return [SessionRow(**r) for r in store.recent_sessions(limit)]
+    path = getattr(store, "path", None)
+    if not path or path == ":memory:" or not Path(path).is_file():
+        return []
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    try:
+        rows = conn.execute(_RECENT_SESSIONS_SQL, (limit,)).fetchall()
+    finally:
+        conn.close()
+    return [SessionRow(id=r[0], status=r[1], group_id=r[2], created_at=r[3], updated_at=r[4],
+                       metadata=json.loads(r[5] or "{}"), num_trajectories=r[6], num_tokens=r[7], reward=r[8])
+            for r in rows]
+
+
+@api.get("/sessions", response_model=SessionList)
+async def sessions(request: Request, limit: Annotated[int, Query(ge=1, le=500)] = 20) -> SessionList:
+    return SessionList(data=await run_in_threadpool(recent_sessions, get_gateway(request).store, limit))
+
+
+class ToolCallInfo(BaseModel):
+    name: str
+    arguments: str
+
+
+class TurnTools(BaseModel):
+    response_id: str
+    tool_calls: list[ToolCallInfo]
+
+
+class TrajectoryTools(BaseModel):
+    trajectory_id: str
+    turns: list[TurnTools] = Field(description="in the order of the trajectory view's turns")
+
+
+@api.get("/sessions/{session_id}/tools", response_model=list[TrajectoryTools])
+async def session_tools(session_id: str, request: Request) -> list[TrajectoryTools]:
+    """The tool calls of each turn (the trajectory view has none): the token view marks tool turns."""
+    store = get_gateway(request).store
+    try:
+        trajs = await run_in_threadpool(store.get_trajectories, session_id)
+    except LookupError as e:
+        raise APIError(404, f"session {session_id!r} not found", code="session_not_found") from e
+    return [TrajectoryTools(trajectory_id=t.id, turns=[
+        TurnTools(response_id=turn.response_id,
+                  tool_calls=[ToolCallInfo(name=c.name, arguments=c.arguments) for c in turn.tool_calls])
+        for turn in t.turns]) for t in trajs]
+
+
+# ---------------------------------------------------------------- token text
+class DetokenizeRequest(BaseModel):
+    ids: list[int] = Field(max_length=MAX_DETOKENIZE)
+
+
+class DetokenizeResponse(BaseModel):
+    pieces: list[str] = Field(description="the text of each token on its own (special tokens included)")
+
+
+@api.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    """Token ids -> one text piece per token, with the served model's tokenizer (for the token view)."""
+    tokenizer = get_gateway(request).renderer.tokenizer
+
+    def run() -> list[str]:
+        return tokenizer.batch_decode([[i] for i in body.ids], skip_special_tokens=False)
+
+    try:
+        return DetokenizeResponse(pieces=await run_in_threadpool(run))
+    except (OverflowError, IndexError, TypeError, ValueError) as e:
+        raise APIError(400, f"ids: not token ids of the served model ({type(e).__name__})", param="ids",
+                       code="invalid_value") from e
+
+
+router.include_router(api)  # after the routes above: include_router copies the routes it finds

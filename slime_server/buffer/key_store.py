@@ -1,0 +1,134 @@
+"""API keys minted by the server (agent and admin keys), stored as hashes beside the trajectories.
+
+Why hashed: a copied database must not hand out access, so only SHA-256 of each key's secret is
+kept (the secret is 32 random bytes: a fast hash is enough, no password stretching needed). A key
+reads ``sk-slime-<key id>.<secret>``: the id finds the row without an index on secrets, the role
+comes from the row, never from the key's text. Revoked keys stay listed (who had access, when).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+import uuid
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
+
+from slime_server.buffer.sqlite_conn import ThreadConnections
+
+KeyRole = Literal["agent", "admin"]
+KEY_PREFIX = "sk-slime-"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY, role TEXT NOT NULL, name TEXT NOT NULL, key_hash TEXT NOT NULL,
+    created_at REAL NOT NULL, revoked_at REAL);
+"""
+
+
+class ApiKeyRecord(BaseModel):
+    """A stored key without its secret: what listing keys shows."""
+
+    id: str
+    role: KeyRole
+    name: str
+    created_at: float
+    revoked_at: float | None = None
+
+
+class MintedKey(ApiKeyRecord):
+    key: str  # shown once, at creation
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def parse_key(token: str) -> tuple[str, str] | None:
+    """(key id, secret) of a minted key, or None when ``token`` is not shaped like one."""
+    if not token.startswith(KEY_PREFIX):
+        return None
+    key_id, dot, secret = token[len(KEY_PREFIX):].partition(".")
+    return (key_id, secret) if dot and key_id and secret else None
+
+
+class SQLiteKeyStore:
+    """Mint, verify, list and revoke keys; each write committed before it returns."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._db = ThreadConnections(str(path))
+        with self._db.write() as conn:
+            conn.execute(_SCHEMA)
+
+    def mint(self, role: KeyRole, name: str = "") -> MintedKey:
+        key_id, secret = uuid.uuid4().hex[:16], secrets.token_urlsafe(32)
+        record = ApiKeyRecord(id=key_id, role=role, name=name, created_at=time.time())
+        with self._db.write() as conn:
+            conn.execute("INSERT INTO api_keys (id, role, name, key_hash, created_at) VALUES (?, ?, ?, ?, ?)",
+                         (key_id, role, name, hash_secret(secret), record.created_at))
+        return MintedKey(**record.model_dump(), key=f"{KEY_PREFIX}{key_id}.{secret}")
+
+    def lookup(self, key_id: str) -> tuple[ApiKeyRecord, str] | None:
+        """The record and stored hash of ``key_id`` (revoked ones included), or None."""
+        row = self._db.read(lambda c: c.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone())
+        if row is None:
+            return None
+        return _record(row), row["key_hash"]
+
+    def list(self) -> list[ApiKeyRecord]:
+        rows = self._db.read(lambda c: c.execute("SELECT * FROM api_keys ORDER BY created_at").fetchall())
+        return [_record(r) for r in rows]
+
+    def revoke(self, key_id: str) -> ApiKeyRecord | None:
+        with self._db.write() as conn:
+            conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                         (time.time(), key_id))
+            row = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        return _record(row) if row is not None else None
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _record(row) -> ApiKeyRecord:
+    return ApiKeyRecord(id=row["id"], role=row["role"], name=row["name"], created_at=row["created_at"],
+                        revoked_at=row["revoked_at"])
+
+
+class KeysCommand:
+    """``slime-server keys create|list|revoke``: manage minted keys in a server's store (offline)."""
+
+    help = "mint, list or revoke API keys (agent or admin) in the trajectory store"
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("action", choices=("create", "list", "revoke"))
+        parser.add_argument("key_id", nargs="?", help="revoke: the key's id")
+        parser.add_argument("--db-path", default=None, help="SQLite store (default: settings gateway.db_path)")
+        parser.add_argument("--role", choices=("agent", "admin"), default="agent")
+        parser.add_argument("--name", default="", help="a label: who holds the key")
+
+    def run(self, args, settings) -> int:
+        import json
+        import sys
+
+        from slime_server.buffer.open import open_key_store
+
+        store = open_key_store(args.db_path or settings.gateway.db_path)
+        try:
+            if args.action == "create":
+                minted = store.mint(args.role, args.name)
+                print(json.dumps(minted.model_dump()))
+                print("the key is shown only now; the store keeps its hash", file=sys.stderr)
+            elif args.action == "list":
+                for record in store.list():
+                    print(json.dumps(record.model_dump()))
+            else:
+                if not args.key_id or store.revoke(args.key_id) is None:
+                    print(f"error: unknown key {args.key_id!r}", file=sys.stderr)
+                    return 2
+            return 0
+        finally:
+            store.close()

@@ -1,0 +1,51 @@
+"""Open the right store for a ``gateway.db_path`` setting: a Postgres URL or a SQLite file path.
+
+Why one place: the gateway, the job manager, the key store and the CLI commands all take the same
+setting, and each must land on the same backend. ``postgresql://`` (or ``postgres://``) URLs open
+the Postgres stores (several replicas share one database; needs the ``postgres`` extra); anything
+else is a SQLite file. psycopg is imported only when a URL asks for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from slime_server.buffer.store import TrajectoryStore
+
+
+def is_postgres_url(url_or_path: str | Path) -> bool:
+    return isinstance(url_or_path, str) and url_or_path.startswith(("postgresql://", "postgres://"))
+
+
+def open_store(url_or_path: str | Path, **kwargs: Any) -> TrajectoryStore:
+    """The trajectory store at ``url_or_path``; ``kwargs`` go to the store's constructor."""
+    if is_postgres_url(url_or_path):
+        from slime_server.buffer.postgres_store import PostgresTrajectoryStore
+
+        return PostgresTrajectoryStore(str(url_or_path), **kwargs)
+    from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+
+    return SQLiteTrajectoryStore(url_or_path, **kwargs)
+
+
+def open_job_store(url_or_path: str | Path) -> Any:
+    """``SQLiteJobStore`` or ``PostgresJobStore`` (same methods) for ``url_or_path``."""
+    if is_postgres_url(url_or_path):
+        from slime_server.buffer.postgres_job_store import PostgresJobStore
+
+        return PostgresJobStore(str(url_or_path))
+    from slime_server.buffer.job_store import SQLiteJobStore
+
+    return SQLiteJobStore(url_or_path)
+
+
+def open_key_store(url_or_path: str | Path) -> Any:
+    """``SQLiteKeyStore`` or ``PostgresKeyStore`` (same methods) for ``url_or_path``."""
+    if is_postgres_url(url_or_path):
+        from slime_server.buffer.postgres_key_store import PostgresKeyStore
+
+        return PostgresKeyStore(str(url_or_path))
+    from slime_server.buffer.key_store import SQLiteKeyStore
+
+    return SQLiteKeyStore(url_or_path)

@@ -1,0 +1,179 @@
+"""Schemathesis against the gateway's published OpenAPI spec (``/openapi.json``), every operation.
+
+Why a live stack: bad input must be refused before it reaches the engine or the store, and good
+input must really be served, so the fuzzed requests go over HTTP to the real gateway (uvicorn on a
+real port, as ``slime-server serve`` runs it) in front of the real sgl-router and a CPU engine.
+
+Checks per request: no 5xx (``not_a_server_error``), status codes, content types and bodies as the
+spec declares them, and every 4xx body in OpenAI's error format. Jobs run against a real
+``JobManager`` over the same SQLite file whose trainer factory refuses (no Megatron ranks here), so
+``POST /jobs`` really validates, stores and launches a job, which then fails in its own thread;
+no 503 ``no_trainer`` is excused anywhere. Generation is kept cheap by capping ``max_tokens`` and
+``n`` in generated bodies just before they are sent (``cap_generation``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from _gateway_helpers import MODEL, inprocess_gateway, router_url  # noqa: F401 - module fixture
+from hypothesis import HealthCheck, settings
+
+from slime_server.api.protocol import MAX_N as MAX_N_SPEC
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 4
+MAX_N = 2
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+def _refuse_trainer(spec: Any) -> Any:
+    raise RuntimeError("this test server has no trainer ranks")
+
+
+@pytest.fixture(scope="module")
+def live_url(router_url: str, tiny_model_path: Path,  # noqa: F811
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The gateway with a JobManager attached (its trainer factory refuses), over the real router."""
+    from slime_server.buffer.job_store import SQLiteJobStore
+    from slime_server.jobs import JobManager
+
+    d = tmp_path_factory.mktemp("fuzz")
+    with inprocess_gateway(router_url, tiny_model_path, d / "traj.db") as (url, app):
+        gw = app.state.gw
+        gw.jobs = JobManager(gw.store, SQLiteJobStore(gw.settings.db_path), _refuse_trainer, list, d / "jobs",
+                             served_model=gw.model_name)
+        yield url
+        gw.jobs.shutdown(timeout=10)
+
+
+def cap_generation(case: Any) -> None:
+    """Make generation reach the engine and stay cheap; a capped value is as valid as the original."""
+    body = case.body
+    if case.path not in ("/v1/chat/completions", "/v1/completions") or not isinstance(body, dict):
+        return
+    if isinstance(body.get("model"), str):
+        body["model"] = MODEL  # else nearly every call is a 404 model_not_found (tested in test_gateway_errors)
+    for key in ("max_tokens", "max_completion_tokens"):
+        if _int(body.get(key)) and body[key] > MAX_TOKENS:
+            body[key] = MAX_TOKENS
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = MAX_TOKENS  # the default is "what the context leaves"
+    if _int(body.get("n")) and MAX_N < body["n"] <= MAX_N_SPEC:  # above the spec's limit it must stay a 400
+        body["n"] = MAX_N
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def openai_error_format(ctx: Any, response: Any, case: Any) -> bool | None:
+    """Every 4xx answer is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI SDKs read it)."""
+    if not 400 <= response.status_code < 500:
+        return None
+    try:
+        body = json.loads(response.content)
+    except ValueError as e:
+        raise AssertionError(f"{response.status_code} body is not JSON: {response.content[:200]!r}") from e
+    err = body.get("error") if isinstance(body, dict) else None
+    assert isinstance(err, dict) and set(err) == ERROR_FIELDS, f"not an OpenAI error body: {body}"
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), body
+    # The gateway must refuse what the engine would: every engine 4xx counts toward sgl-router's circuit
+    # breaker, and ten of them shut the engine off for everybody (seen: top_p 5e-324, seed -1, top_k 2**40).
+    assert err["code"] != "engine_rejected", f"a request the engine refuses got past the gateway: {body}"
+    return True
+
+
+def published_spec() -> dict[str, Any]:
+    """The gateway's OpenAPI document, built from the app itself (the live server must publish the same)."""
+    from slime_server.api.app import create_app
+
+    return create_app(router_url="http://127.0.0.1:9", renderer=None, sessions=None, store=None,
+                      model_name=MODEL).openapi()
+
+
+# Built at collection time so pytest shows one test per operation; `schemathesis.pytest.from_fixture`
+# (the lazy loader) does not run under pytest 9 (it sets `Function._nodeid`).
+schema = schemathesis.openapi.from_dict(published_spec())
+
+
+def test_the_live_server_publishes_the_fuzzed_spec(live_url: str) -> None:
+    import httpx
+
+    assert httpx.get(f"{live_url}/openapi.json", timeout=30).json() == published_spec()
+
+
+# Operator routes parse JSON in pydantic's lax mode ("8" -> 8, false -> 0.0 for a float): harmless for an
+# admin's own job specs and keys, so "schema-violating data must be refused" is checked on /v1 only, whose
+# models are strict like OpenAI's. Not checked anywhere: "schema-valid data must be accepted", because the
+# gateway rightly answers 400 to requests that are well-typed but meaningless (a conversation the chat
+# template cannot render, a prompt over the context, tool_choice naming no tool, "give thumb or score").
+OPERATOR_PREFIXES = ("/jobs", "/admin", "/dashboard")
+STATUSES: Counter[tuple[str, str, int]] = Counter()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@schema.parametrize()
+def test_every_route_against_the_spec(case: Any, live_url: str) -> None:
+    call_and_check(case, live_url)
+
+
+def call_and_check(case: Any, live_url: str) -> None:
+    from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
+
+    cap_generation(case)
+    excluded = [positive_data_acceptance]
+    if case.path.startswith(OPERATOR_PREFIXES):
+        excluded.append(negative_data_rejection)
+    response = case.call(base_url=live_url, timeout=120)
+    STATUSES[(case.method, case.path, response.status_code)] += 1
+    case.validate_response(response, additional_checks=[openai_error_format], excluded_checks=excluded,
+                           transport_kwargs={"base_url": live_url, "timeout": 120})
+
+
+@pytest.fixture(scope="module")
+def known_ids(live_url: str) -> dict[str, str]:
+    """Ids of objects that exist: a session with two recorded turns and a reward, a job, an API key."""
+    import httpx
+
+    with httpx.Client(base_url=live_url, timeout=120) as http:
+        session = http.post("/v1/sessions", json={}).json()["id"]
+        messages = [{"role": "user", "content": "hi"}]
+        for _ in range(2):
+            r = http.post("/v1/chat/completions", headers={"X-Session-Id": session},
+                          json={"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS})
+            assert r.status_code == 200, r.text
+            messages += [r.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+        assert http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0}).status_code == 200
+        jobs = http.get("/jobs").json()["data"]  # the fuzz above made some (each failed at once: no trainer)
+        job = jobs[0]["id"] if jobs else http.post("/jobs", json={"name": "fuzz"}).json()["id"]
+        ids = {"session_id": session, "response_id": r.json()["id"], "job_id": job, "model_id": MODEL}
+        key = http.post("/admin/keys", json={"role": "agent", "name": "fuzz"})
+        if key.status_code == 200:
+            ids["key_id"] = key.json()["id"]
+    return ids
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@schema.include(path_regex=r"\{").parametrize()
+def test_routes_on_existing_objects(case: Any, live_url: str, known_ids: dict[str, str]) -> None:
+    """The same checks with path ids that exist, so the handlers behind the 404s run too."""
+    if case.path_parameters:
+        case.path_parameters = {k: known_ids.get(k, v) for k, v in case.path_parameters.items()}
+    call_and_check(case, live_url)
+
+
+def test_the_fuzzer_really_generated() -> None:
+    """Guards the fuzz above: good requests really reached the engine and were answered."""
+    if not STATUSES:
+        pytest.skip("checks what the fuzz tests of this module sent; run it with them")
+    ok = {path for (_, path, status) in STATUSES if status == 200}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/sessions/{session_id}", "/jobs/{job_id}/events",
+            "/v1/responses/{response_id}/feedback", "/v1/sessions/{session_id}/reward"} <= ok, STATUSES

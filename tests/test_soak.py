@@ -1,0 +1,43 @@
+"""The short soak (issue 9, "Load"): agents play whole episodes for a while as weights are pushed;
+no error, every acknowledged reward in the store, memory that does not run away. The long version
+is ``tools/bench_soak.py`` (its numbers go in the notes, not in assertions on timing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_soak():
+    spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "tools" / "bench_soak.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_soak"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_soak(tiny_model_path: Path, tmp_path: Path) -> None:
+    soak = load_soak()
+    res = soak.run_soak(str(tiny_model_path), engines=2, agents=4, duration_s=40, push_every_s=4,
+                        sample_every_s=1.0, log_dir=tmp_path)
+    print(res.model_dump_json(indent=2))
+    assert res.errors == 0, res.error_samples
+    assert res.pushes >= 5 and res.episodes >= 40
+    assert res.rewards_in_store == res.rewards_acknowledged == res.episodes
+    for m in res.memory:  # a leak of even a few KB per episode would show as tens of MB here
+        assert m.growth_mb < 40, m
+
+
+def test_memory_series_and_percentiles() -> None:
+    soak = load_soak()
+    flat = soak.series("x", [(t, 100.0 + (t % 2)) for t in range(30)])
+    assert abs(flat.growth_mb) < 1 and abs(flat.slope_mb_per_min) < 2
+    leak = soak.series("x", [(t, 100.0 + t) for t in range(30)])
+    assert leak.growth_mb == 20 and leak.slope_mb_per_min == 60
+    assert soak.percentile([5.0, 1.0, 3.0], 50) == 3.0
