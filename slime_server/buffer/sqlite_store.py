@@ -16,18 +16,19 @@ import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
-
+from slime_server.buffer.rows import TRAJ_COLUMNS as _TRAJ_COLUMNS
+from slime_server.buffer.rows import owned as _owned
+from slime_server.buffer.rows import session_from_row as _session_from_row
+from slime_server.buffer.rows import traj_from_row as _traj_from_row
+from slime_server.buffer.rows import traj_params as _traj_params
 from slime_server.buffer.schema import (
     Feedback,
     IdempotencyConflict,
-    NormalizedMessage,
     ResponseNotFound,
     RewardEvent,
     Session,
     SessionClosedError,
     SessionExistsError,
-    SessionForbidden,
     SessionNotFound,
     StaleWriteError,
     StoreError,
@@ -36,7 +37,6 @@ from slime_server.buffer.schema import (
     Trajectory,
     TrajectoryNotFound,
     TrajectoryStatus,
-    Turn,
     now,
 )
 from slime_server.buffer.sqlite_conn import ThreadConnections
@@ -121,58 +121,6 @@ MIGRATIONS: list[str] = [
     ALTER TABLE sessions ADD COLUMN owner TEXT;
     """,
 ]
-
-_TRAJ_COLUMNS = ("id, session_id, segment, branch, group_id, tokens, loss_mask, rollout_logprobs, "
-                 "weight_versions, turns, messages, tools_digest, reward, turn_rewards, status, consumed_step, "
-                 "metadata, revision, created_at, updated_at")
-
-
-def _pack(values: list[int] | list[float], dtype: str) -> bytes:
-    return np.asarray(values, dtype=dtype).tobytes()
-
-
-def _unpack(blob: bytes, dtype: str) -> list[Any]:
-    return np.frombuffer(blob, dtype=dtype).tolist()
-
-
-def _session_from_row(row: sqlite3.Row) -> Session:
-    return Session(id=row["id"], group_id=row["group_id"], metadata=json.loads(row["metadata"]),
-                   status=row["status"], key_hash=row["key_hash"], owner=row["owner"], segment_splits=row["segment_splits"],
-                   created_at=row["created_at"], updated_at=row["updated_at"])
-
-
-def _owned(session: Session, owner: str | None) -> Session:
-    """``session`` if a caller recording as ``owner`` (None: admin) may use it."""
-    if owner is not None and session.owner != owner:
-        raise SessionForbidden(f"session {session.id!r} belongs to another API key")
-    return session
-
-
-def _traj_from_row(row: sqlite3.Row) -> Trajectory:
-    return Trajectory(
-        id=row["id"], session_id=row["session_id"], segment=row["segment"], branch=row["branch"],
-        group_id=row["group_id"], tokens=_unpack(row["tokens"], "<i4"), loss_mask=_unpack(row["loss_mask"], "u1"),
-        rollout_logprobs=_unpack(row["rollout_logprobs"], "<f8"),
-        weight_versions=_unpack(row["weight_versions"], "<i8"),
-        turns=[Turn.model_validate(t) for t in json.loads(row["turns"])],
-        messages=[NormalizedMessage.model_validate(m) for m in json.loads(row["messages"])],
-        tools_digest=row["tools_digest"], reward=row["reward"], turn_rewards=json.loads(row["turn_rewards"]),
-        status=row["status"], consumed_step=row["consumed_step"], metadata=json.loads(row["metadata"]),
-        revision=row["revision"], created_at=row["created_at"], updated_at=row["updated_at"])
-
-
-def _traj_params(t: Trajectory, revision: int, updated_at: float) -> dict[str, Any]:
-    return {
-        "id": t.id, "session_id": t.session_id, "segment": t.segment, "branch": t.branch, "group_id": t.group_id,
-        "n_tokens": len(t.tokens), "tokens": _pack(t.tokens, "<i4"), "loss_mask": _pack(t.loss_mask, "u1"),
-        "rollout_logprobs": _pack(t.rollout_logprobs, "<f8"), "weight_versions": _pack(t.weight_versions, "<i8"),
-        "turns": json.dumps([x.model_dump() for x in t.turns]),
-        "messages": json.dumps([m.model_dump(exclude_defaults=True) for m in t.messages]),
-        "tools_digest": t.tools_digest, "reward": t.reward, "turn_rewards": json.dumps(t.turn_rewards),
-        "status": t.status, "consumed_step": t.consumed_step, "metadata": json.dumps(t.metadata),
-        "revision": revision, "created_at": t.created_at, "updated_at": updated_at, "old_revision": t.revision,
-    }
-
 
 class SQLiteTrajectoryStore(TrajectoryStore):
     """``TrajectoryStore`` over one SQLite file; safe to share between threads and processes."""
