@@ -21,6 +21,8 @@ import json
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -101,19 +103,29 @@ def client_loop(base_url: str, stop: threading.Event, out: list[Request], max_to
             out.append(Request(start=t0, end=time.perf_counter(), ok=False, error=f"{type(e).__name__}: {e}"[:300]))
 
 
-def run_bench(model: str = "tiny", engines: int = 1, clients: int = 8, pushes: int = 12, burst: int = 3,
-              quiet_s: float = 3.0, max_tokens: int = 8, bucket_mib: float = 1.0,
-              log_dir: str | Path | None = None) -> OnlineBenchResult:
+class ServingStack(BaseModel):
+    """What ``serving_stack`` brought up: engines behind the sgl-router, the gateway process in front."""
+
+    model_path: str
+    engine_urls: list[str]
+    engine_pids: list[int]
+    base_url: str  # the gateway, without /v1
+    gateway_pid: int
+    db_path: Path
+    logs: Path
+
+
+@contextmanager
+def serving_stack(model: str, engines: int, log_dir: str | Path | None, name: str) -> Iterator[ServingStack]:
+    """CPU engines (no restart monitor), the real router, the gateway as its own process; all stopped after."""
     from slime_server.config import RouterSettings
     from slime_server.launch import resolve_model_path
     from slime_server.rollout.actors import EngineActor, EngineSpec
     from slime_server.rollout.router import RouterProcess
-    from slime_server.trainer.weight_push import WeightPusher
 
     model_path = resolve_model_path(model)
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="bench_online_"))
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
     logs.mkdir(parents=True, exist_ok=True)
-    variants = weight_variants(model_path)
     actors = [EngineActor(EngineSpec(model_path=model_path, log_path=str(logs / f"engine{i}.log")), start=False,
                           monitor=False) for i in range(engines)]
     gw_proc = None
@@ -128,20 +140,30 @@ def run_bench(model: str = "tiny", engines: int = 1, clients: int = 8, pushes: i
                 if time.monotonic() > deadline:
                     raise RuntimeError("the router never saw every engine healthy")
                 time.sleep(0.2)
-            port = find_free_port()
+            port, db = find_free_port(), logs / "traj.db"
             gw_proc = spawn(python_module_cmd("slime_server.api.server", "--router-url", router.url, "--model-path",
-                                              model_path, "--db-path", str(logs / "traj.db"), "--port", str(port),
-                                              "--served-model-name", "bench"), log_path=str(logs / "gateway.log"))
+                                              model_path, "--db-path", str(db), "--port", str(port),
+                                              "--served-model-name", name), log_path=str(logs / "gateway.log"))
             base = f"http://127.0.0.1:{port}"
             wait_http_ok(f"{base}/health", timeout=120, proc=gw_proc)
-            return _measure(f"{base}/v1", urls, variants, WeightPusher, engines=engines, clients=clients,
-                            pushes=pushes, burst=burst, quiet_s=quiet_s, max_tokens=max_tokens,
-                            bucket_bytes=int(bucket_mib * 2**20))
+            yield ServingStack(model_path=model_path, engine_urls=urls, engine_pids=[a.pid() for a in actors],
+                               base_url=base, gateway_pid=gw_proc.pid, db_path=db, logs=logs)
     finally:
         if gw_proc is not None:
             kill_group(gw_proc)
         for a in actors:
             a.stop()
+
+
+def run_bench(model: str = "tiny", engines: int = 1, clients: int = 8, pushes: int = 12, burst: int = 3,
+              quiet_s: float = 3.0, max_tokens: int = 8, bucket_mib: float = 1.0,
+              log_dir: str | Path | None = None) -> OnlineBenchResult:
+    from slime_server.trainer.weight_push import WeightPusher
+
+    with serving_stack(model, engines, log_dir, "bench") as stack:
+        return _measure(f"{stack.base_url}/v1", stack.engine_urls, weight_variants(stack.model_path), WeightPusher,
+                        engines=engines, clients=clients, pushes=pushes, burst=burst, quiet_s=quiet_s,
+                        max_tokens=max_tokens, bucket_bytes=int(bucket_mib * 2**20))
 
 
 def _measure(base_url: str, urls: list[str], variants: list[dict[str, object]], pusher_cls: type, *, engines: int,

@@ -19,15 +19,14 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from slime_server.utils.net import find_free_port, wait_http_ok
-from slime_server.utils.procs import kill_group, python_module_cmd, spawn
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark: the stack and weight variants
+from bench_online import serving_stack, weight_variants  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -128,96 +127,61 @@ def run_soak(model: str = "tiny", engines: int = 2, agents: int = 8, duration_s:
              push_every_s: float = 5.0, max_tokens: int = 8, sample_every_s: float = 2.0,
              log_dir: str | Path | None = None) -> SoakResult:
     from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
-    from slime_server.config import RouterSettings
-    from slime_server.launch import resolve_model_path
-    from slime_server.rollout.actors import EngineActor, EngineSpec
-    from slime_server.rollout.router import RouterProcess
     from slime_server.trainer.weight_push import WeightPusher
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's weight variants
-    from bench_online import weight_variants
+    with serving_stack(model, engines, log_dir, "soak") as stack:
+        variants = weight_variants(stack.model_path)
+        pids = {"gateway": stack.gateway_pid, **{f"engine{i}": pid for i, pid in enumerate(stack.engine_pids)}}
+        stop = threading.Event()
+        results: list[list[Episode]] = [[] for _ in range(agents)]
+        threads = [threading.Thread(target=agent_loop, args=(f"{stack.base_url}/v1", stop, results[i], max_tokens),
+                                    daemon=True) for i in range(agents)]
+        pushes = 0
 
-    model_path = resolve_model_path(model)
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="bench_soak_"))
-    logs.mkdir(parents=True, exist_ok=True)
-    variants = weight_variants(model_path)
-    actors = [EngineActor(EngineSpec(model_path=model_path, log_path=str(logs / f"engine{i}.log")), start=False,
-                          monitor=False) for i in range(engines)]
-    gw_proc = None
-    try:
-        for a in actors:
-            a.start()
-        urls = [a.url() for a in actors]
-        with RouterProcess(RouterSettings(), log_path=logs / "router.log") as router:
-            router.start(worker_urls=urls)
-            deadline = time.monotonic() + 120
-            while len(router.worker_urls(healthy_only=True)) < engines:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the router never saw every engine healthy")
-                time.sleep(0.2)
-            port, db = find_free_port(), logs / "traj.db"
-            gw_proc = spawn(python_module_cmd("slime_server.api.server", "--router-url", router.url, "--model-path",
-                                              model_path, "--db-path", str(db), "--port", str(port),
-                                              "--served-model-name", "soak"), log_path=str(logs / "gateway.log"))
-            base = f"http://127.0.0.1:{port}"
-            wait_http_ok(f"{base}/health", timeout=120, proc=gw_proc)
-            pids = {"gateway": gw_proc.pid, **{f"engine{i}": a.pid() for i, a in enumerate(actors)}}
+        def pusher_loop() -> None:
+            nonlocal pushes
+            with WeightPusher(stack.engine_urls, rolling=True, sender=True) as pusher:
+                while not stop.wait(push_every_s):
+                    pushes += 1
+                    pusher.push(iter(variants[pushes % 2].items()), version=f"soak-{pushes}")
 
-            stop = threading.Event()
-            results: list[list[Episode]] = [[] for _ in range(agents)]
-            threads = [threading.Thread(target=agent_loop, args=(f"{base}/v1", stop, results[i], max_tokens),
-                                        daemon=True) for i in range(agents)]
-            pushes = 0
+        mem: dict[str, list[tuple[float, float]]] = {name: [] for name in pids}
+        t_start = time.perf_counter()
+        for t in threads:
+            t.start()
+        push_thread = threading.Thread(target=pusher_loop, daemon=True)
+        push_thread.start()
+        while time.perf_counter() - t_start < duration_s:
+            time.sleep(sample_every_s)
+            now = time.perf_counter() - t_start
+            for name, pid in pids.items():
+                mem[name].append((now, rss_mb(pid)))
+        stop.set()
+        push_thread.join(timeout=120)
+        for t in threads:
+            t.join(timeout=150)
+        elapsed = time.perf_counter() - t_start
 
-            def pusher_loop() -> None:
-                nonlocal pushes
-                with WeightPusher(urls, rolling=True, sender=True) as pusher:
-                    while not stop.wait(push_every_s):
-                        pushes += 1
-                        pusher.push(iter(variants[pushes % 2].items()), version=f"soak-{pushes}")
-
-            mem: dict[str, list[tuple[float, float]]] = {name: [] for name in pids}
-            t_start = time.perf_counter()
-            for t in threads:
-                t.start()
-            push_thread = threading.Thread(target=pusher_loop, daemon=True)
-            push_thread.start()
-            while time.perf_counter() - t_start < duration_s:
-                time.sleep(sample_every_s)
-                now = time.perf_counter() - t_start
-                for name, pid in pids.items():
-                    mem[name].append((now, rss_mb(pid)))
-            stop.set()
-            push_thread.join(timeout=120)
-            for t in threads:
-                t.join(timeout=150)
-            elapsed = time.perf_counter() - t_start
-
-        episodes = [e for rs in results for e in rs]
-        ok = [e for e in episodes if e.ok]
-        turn_ms = [ms for e in ok for ms in e.turn_ms]
-        half = t_start + elapsed / 2
-        first = [ms for e in ok if e.start < half for ms in e.turn_ms]
-        second = [ms for e in ok if e.start >= half for ms in e.turn_ms]
-        store = SQLiteTrajectoryStore(db)
-        acknowledged = {e.session_id for e in ok}
-        in_store = sum(1 for sid in acknowledged
-                       if any(t.reward is not None for t in store.get_trajectories(sid)))
-        store.close()
-        errors = [e for e in episodes if not e.ok]
-        return SoakResult(
-            agents=agents, engines=engines, duration_s=round(elapsed, 1), episodes=len(episodes),
-            turns=len(turn_ms), errors=len(errors), error_samples=sorted({e.error or "" for e in errors})[:5],
-            episodes_per_s=round(len(ok) / elapsed, 2), turn_p50_ms=round(percentile(turn_ms, 50), 1),
-            turn_p99_ms=round(percentile(turn_ms, 99), 1), turn_p99_first_half_ms=round(percentile(first, 99), 1),
-            turn_p99_second_half_ms=round(percentile(second, 99), 1), pushes=pushes,
-            memory=[series(name, s) for name, s in mem.items()], rewards_acknowledged=len(acknowledged),
-            rewards_in_store=in_store)
-    finally:
-        if gw_proc is not None:
-            kill_group(gw_proc)
-        for a in actors:
-            a.stop()
+    episodes = [e for rs in results for e in rs]
+    ok = [e for e in episodes if e.ok]
+    turn_ms = [ms for e in ok for ms in e.turn_ms]
+    half = t_start + elapsed / 2
+    first = [ms for e in ok if e.start < half for ms in e.turn_ms]
+    second = [ms for e in ok if e.start >= half for ms in e.turn_ms]
+    store = SQLiteTrajectoryStore(stack.db_path)
+    acknowledged = {e.session_id for e in ok}
+    in_store = sum(1 for sid in acknowledged
+                   if any(t.reward is not None for t in store.get_trajectories(sid)))
+    store.close()
+    errors = [e for e in episodes if not e.ok]
+    return SoakResult(
+        agents=agents, engines=engines, duration_s=round(elapsed, 1), episodes=len(episodes),
+        turns=len(turn_ms), errors=len(errors), error_samples=sorted({e.error or "" for e in errors})[:5],
+        episodes_per_s=round(len(ok) / elapsed, 2), turn_p50_ms=round(percentile(turn_ms, 50), 1),
+        turn_p99_ms=round(percentile(turn_ms, 99), 1), turn_p99_first_half_ms=round(percentile(first, 99), 1),
+        turn_p99_second_half_ms=round(percentile(second, 99), 1), pushes=pushes,
+        memory=[series(name, s) for name, s in mem.items()], rewards_acknowledged=len(acknowledged),
+        rewards_in_store=in_store)
 
 
 def main() -> None:
