@@ -132,3 +132,36 @@ def test_kill_9_engine_under_load(tiny_model_path: Path, tmp_path: Path) -> None
             stop_gateway(gw)
         for a in actors:
             a.stop()
+
+
+def test_without_a_trainer_a_restarted_engine_waits_for_the_served_version(tiny_model_path: Path,
+                                                                          tmp_path: Path) -> None:
+    """The only engine dies (so no other engine tells the version) and no job can catch it up: it
+    stays out of the router until something serves it the version last seen, then comes back."""
+    weights = _perturbed_weights(tiny_model_path)
+    actor = EngineActor(EngineSpec(model_path=str(tiny_model_path), log_path=str(tmp_path / "engine.log"),
+                                   health_interval_s=1.0, startup_timeout_s=120))
+    supervisor = None
+    try:
+        url = actor.url()
+        with RouterProcess(RouterSettings(health_check_interval_secs=1), log_path=tmp_path / "router.log") as router:
+            router.start(worker_urls=[url])
+            with WeightPusher([url], sender=True) as pusher:
+                pusher.push(iter(weights.items()), version=CURRENT)
+            supervisor = EngineSupervisor(lambda: [url], router, interval_s=0.3).start()
+            time.sleep(1.0)  # a tick has seen version 7 served
+            os.kill(actor.pid(), signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while ("kept_out", url) not in supervisor.events and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert ("kept_out", url) in supervisor.events and url not in router.worker_urls()
+            assert httpx.get(f"{url}/get_weight_version").json()["weight_version"] == "0"  # restarted, base weights
+            with WeightPusher([url], sender=True) as pusher:  # e.g. an operator's push, or the next job's
+                pusher.push(iter(weights.items()), version=CURRENT)
+            while ("readmitted", url) not in supervisor.events and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert router.worker_urls(healthy_only=True) == [url]
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+        actor.stop()

@@ -8,10 +8,11 @@ would record turns from the wrong policy. So, every ``interval_s``:
 
 1. an engine that refuses connections (process gone) is removed from the router: no new request
    goes there (requests already in flight fail over in the router's retries, or get a clear 503);
-2. an engine back up is compared with the serving engines' weight version; if it differs,
-   ``catch_up(url)`` (the running job's trainer: a bucketed push to that one engine) brings it to
-   the current version; only then is it registered again. With no trainer to catch up from, it
-   stays out of rotation (and says so in the log) rather than serve stale weights.
+2. an engine back up gets the current weights from ``catch_up(url)`` (the running job's trainer:
+   a bucketed push to that one engine) and only then is registered again. With no job running, it
+   is compared with the weight version the engines serve (the others', or the last one seen when
+   all of them died); a mismatch keeps it out of rotation (and says so in the log) rather than
+   serve stale weights.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class EngineSupervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0))
+        self._known_version: str | None = None  # the newest version seen served (survives all engines dying)
+        self._ticks = 0
         self.events: list[tuple[str, str]] = []  # (kind, url): what happened, for logs and tests
 
     # ------------------------------------------------------------------ views
@@ -81,6 +84,7 @@ class EngineSupervisor:
 
     # ------------------------------------------------------------------ one round
     def tick(self) -> None:
+        self._ticks += 1
         for url in self.engine_urls():
             with self._lock:
                 out = url in self._out
@@ -88,6 +92,12 @@ class EngineSupervisor:
                 self._try_readmit(url)
             elif not self._reachable(url):
                 self._quarantine(url)
+            elif self._ticks % 10 == 1:
+                self._remember(self._version(url))
+
+    def _remember(self, version: str | None) -> None:
+        if version is not None:
+            self._known_version = max(filter(None, (self._known_version, version)), key=_version_key)
 
     def _reachable(self, url: str) -> bool:
         """False only when nothing listens (the process is gone); a slow answer is a busy engine."""
@@ -123,21 +133,27 @@ class EngineSupervisor:
         self.events.append(("quarantined", url))
         log.warning("engine %s is unreachable: out of the router until it is back on the current weights", url)
 
-    def _target_version(self, exclude: str) -> str | None:
-        versions = [v for u in self.serving_urls() if u != exclude and (v := self._version(u)) is not None]
-        if not versions:
-            return None
-        return max(versions, key=lambda v: (int(v) if v.lstrip("-").isdigit() else -1, v))
+    def _expected_version(self, exclude: str) -> str | None:
+        """What a readmitted engine must serve: the serving engines' newest version, else the last seen."""
+        for v in (self._version(u) for u in self.serving_urls() if u != exclude):
+            self._remember(v)
+        return self._known_version
 
     def _try_readmit(self, url: str) -> None:
         if not self._healthy(url):
             return  # the actor's monitor is still bringing it back
-        target, current = self._target_version(url), self._version(url)
-        if target is not None and current != target:
-            if self.catch_up is None or not self.catch_up(url):
-                return  # no trainer to catch up from: stay out rather than serve stale weights
-            current = self._version(url)  # the trainer's newest weights: at least the others' version
+        if self.catch_up is not None and self.catch_up(url):  # a running job pushed its current weights
             self.events.append(("caught_up", url))
+        else:
+            expected = self._expected_version(url)
+            if expected is not None and self._version(url) != expected:
+                if ("kept_out", url) not in self.events:
+                    self.events.append(("kept_out", url))
+                    log.warning("engine %s serves version %s, not %s, and no job can catch it up: kept out",
+                                url, self._version(url), expected)
+                return
+        current = self._version(url)
+        self._remember(current)
         self.router.add_worker(url, wait=True)
         with self._lock:
             self._out.pop(url, None)
@@ -145,3 +161,7 @@ class EngineSupervisor:
         ENGINE_READMISSIONS.inc()
         self.events.append(("readmitted", url))
         log.warning("engine %s is back in the router on weight version %s", url, current)
+
+
+def _version_key(v: str) -> tuple[int, str]:
+    return (int(v) if v.lstrip("-").isdigit() else -1, v)
