@@ -73,6 +73,11 @@ def test_custom_environment_by_path_and_jsonl_rows(tmp_path: Path) -> None:
     assert isinstance(env, Environment)
     with pytest.raises(ValueError, match="unknown environment"):
         get_environment("nope")
+    # every bad reference is a ValueError (a 400 for a job spec, found by the OpenAPI fuzzer), never a crash
+    for bad in ("no_such_module_xyz:Env", ":Env", "slime_server.envs.calculator:Nope",
+                "slime_server.envs.base:load_jsonl", "slime_server.envs.rewards:exact_match"):
+        with pytest.raises(ValueError):
+            get_environment(bad)
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+2?"}], "label": "4"}) + "\n\n"
                  + json.dumps({"prompt": "3+3?", "label": 6, "metadata": {"k": 1}}) + "\n")

@@ -92,10 +92,16 @@ def get_environment(name: str, **kwargs: Any) -> Environment:
     module, sep, attr = ref.partition(":")
     if not sep:
         raise ValueError(f"unknown environment {name!r}: built-ins are {sorted(BUILTIN)}, or give module:attr")
-    obj = getattr(importlib.import_module(module), attr)
-    env = obj(**kwargs)
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:  # ValueError: an empty module name
+        raise ValueError(f"environment {name!r}: cannot load {ref!r} ({e})") from e
+    try:
+        env = obj(**kwargs)
+    except Exception as e:  # the user's class refusing these arguments is a bad spec, not a server error
+        raise ValueError(f"environment {name!r}: {ref} could not be built ({type(e).__name__}: {e})") from e
     if not isinstance(env, Environment):
-        raise TypeError(f"{ref} did not produce an Environment")
+        raise ValueError(f"{ref} did not produce an Environment")
     return env
 
 
