@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _megatron_helpers import make_config, save_random_hf_model
+from _tools_helpers import load_tool
 
 from slime_server.trainer.convert import (
     export_hf_state_dict,
@@ -214,10 +214,7 @@ def test_conversion_tools_roundtrip_tiny_model(tiny_model_path, tmp_path):
 
 
 def _tool_main(script: str):
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), REPO / "tools" / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_tool(script).main
 
 
 def test_conversion_tools_report_bad_input(tmp_path, capsys):

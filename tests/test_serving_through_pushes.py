@@ -4,23 +4,16 @@ version of ``tools/bench_online.py``; latency ratios are the benchmark's job, no
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from _tools_helpers import load_tool
 
 pytestmark = pytest.mark.timeout(600)
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_online", ROOT / "tools" / "bench_online.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_online"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_online.py")
 
 
 def test_no_failed_request_across_ten_rolling_pushes(tiny_model_path: Path, tmp_path: Path) -> None:

@@ -4,22 +4,16 @@ is ``tools/bench_soak.py`` (its numbers go in the notes, not in assertions on ti
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from _tools_helpers import load_tool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_soak():
-    spec = importlib.util.spec_from_file_location("bench_soak", ROOT / "tools" / "bench_soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_soak"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_soak.py")
 
 
 def test_short_soak(tiny_model_path: Path, tmp_path: Path) -> None:
