@@ -59,7 +59,6 @@ class RouterSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     request_timeout_secs: int = Field(600, ge=1)
-    health_check_interval_secs: int = Field(10, ge=1)
     worker_startup_timeout_secs: int = Field(120, ge=1)
     log_level: Literal["debug", "info", "warn", "error"] = "warn"
     startup_timeout_s: float = Field(60.0, gt=0)

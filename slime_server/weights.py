@@ -1,38 +1,40 @@
-"""Bucket format for weight updates, shared by the trainer (producer) and the engines (consumer).
+"""Weight-update payloads in SGLang's own formats, shared by the trainer (sender) and the CPU engine.
 
-Why buckets: pushing tensors one by one costs one request each; one flat buffer per ~``max_bytes``
-amortises the overhead and maps onto a single shared-memory file or HTTP body. Packing costs exactly
-one copy per tensor into a preallocated buffer; by default that buffer is already a ``/dev/shm`` file,
-so a same-host push sends only a path. ``unpack`` returns views into the buffer (no copies), so the
-engine's only remaining copy is the one into its live parameters at commit time.
+Why SGLang's formats and nothing of our own: a real SGLang server must take our pushes unchanged, and
+the CPU engine must accept exactly what SGLang accepts, so CI exercises the GPU code path.
 
-Layout: tensors are laid out in order, each starting at a multiple of ``alignment`` bytes (64: a cache
-line, and enough for every dtype's natural alignment so views are always legal).
+- **Flattened bucket** (SGLang's ``FlattenedTensorBucket``, ``load_format="flattened_bucket"``): the
+  tensors of a bucket laid end to end as one uint8 tensor, each described by
+  ``name, shape, dtype, start_idx, end_idx, numel`` (byte offsets, no padding). Used by both paths: on
+  ``/update_weights_from_distributed`` the engine computes the same layout from names/dtypes/shapes and
+  receives ONE broadcast per bucket; on ``/update_weights_from_tensor`` the layout travels in the payload.
+- **Payload** of ``/update_weights_from_tensor``: SGLang's ``MultiprocessingSerializer`` format (base64
+  of a ``ForkingPickler`` dump), so a CUDA tensor travels as an IPC handle and a CPU tensor as the name
+  of a shared-memory file (torch's ``file_system`` sharing strategy). The metadata entries are
+  ``types.SimpleNamespace`` objects: SGLang reads them by attribute, and its ``SafeUnpickler`` allows
+  them without importing SGLang on the sender. Receivers unpickle with an allow-list (``load_payload``).
+- **Process group** for ``/init_weights_update_group``: SGLang's ``init_custom_process_group`` scheme (a
+  TCP rendezvous at rank 0, the store wrapped in ``PrefixStore(group_name, ...)``, then torch's own
+  per-group prefixes), so the trainer's rank 0 and SGLang's ranks meet (``open_weight_group``).
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import mmap
-import os
-import socket
-import tempfile
-import weakref
+import base64
+import contextlib
+import io
+import pickle
+import threading
+import types
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-import httpx
 import torch
-from pydantic import BaseModel, Field, field_validator
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20  # slime's --update-weight-buffer-size default
-DEFAULT_ALIGNMENT = 64
-META_HEADER = "X-Bucket-Meta"
-SHM_DIR = "/dev/shm"
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+FLATTENED_BUCKET = "flattened_bucket"
 
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
@@ -42,280 +44,304 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 def dtype_name(dt: torch.dtype) -> str:
+    """SGLang's spelling of a dtype on the wire (``"bfloat16"``), refusing what it cannot rebuild."""
     name = str(dt).removeprefix("torch.")
     if name not in _DTYPES:
-        raise ValueError(f"dtype {dt} is not supported in weight buckets")
+        raise ValueError(f"dtype {dt} is not supported in weight updates")
     return name
 
 
-class TensorMeta(BaseModel):
-    """Where one tensor lives inside a bucket."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int = Field(ge=0)
-    nbytes: int = Field(ge=0)
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        if v not in _DTYPES:
-            raise ValueError(f"unknown dtype {v!r}")
-        return v
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+def dtype_from_name(name: str) -> torch.dtype:
+    if name.removeprefix("torch.") not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}")
+    return _DTYPES[name.removeprefix("torch.")]
 
 
-class BucketMeta(BaseModel):
-    """Everything needed to read a bucket's bytes back into named tensors."""
-
-    format_version: int = 1
-    alignment: int = Field(DEFAULT_ALIGNMENT, ge=1)
-    total_bytes: int = Field(ge=0)
-    tensors: list[TensorMeta]
-
-    def check(self) -> None:
-        """Refuse metadata that would read outside the buffer or disagree with itself."""
-        for t in self.tensors:
-            want = math.prod(t.shape) * torch.empty((), dtype=t.torch_dtype).element_size()
-            if want != t.nbytes:
-                raise ValueError(f"{t.name}: nbytes {t.nbytes} != shape {t.shape} x {t.dtype}")
-            if t.offset % torch.empty((), dtype=t.torch_dtype).element_size():
-                raise ValueError(f"{t.name}: offset {t.offset} is not aligned for {t.dtype}")
-            if t.offset + t.nbytes > self.total_bytes:
-                raise ValueError(f"{t.name}: bytes [{t.offset}, {t.offset + t.nbytes}) exceed the bucket")
-
-
-class BucketUpdateReq(BaseModel):
-    """JSON body of ``POST /update_weights_from_bucket`` (same host: the bucket is a shm file)."""
-
-    path: str
-    meta: BucketMeta
-    weight_version: str | None = None
-    last: bool = False
-
-    @field_validator("weight_version", mode="before")
-    @classmethod
-    def _version_str(cls, v: Any) -> Any:
-        return None if v is None else str(v)
-
-
-@dataclass(eq=False)
-class Bucket:
-    """A flat uint8 buffer plus its metadata; ``path`` is set when the buffer is a shm file."""
-
-    meta: BucketMeta
-    buffer: torch.Tensor
-    path: str | None = None
-    _keepalive: Any = field(default=None, repr=False)
-
-    @property
-    def nbytes(self) -> int:
-        return self.meta.total_bytes
-
-    def unlink(self) -> None:
-        """Remove the backing shm file now (mappings that exist stay valid until dropped)."""
-        if self.path is not None:
-            _unlink_quiet(self.path)
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _alloc(total: int, shm_dir: str | None) -> tuple[torch.Tensor, str | None, Any]:
-    """A writable uint8 buffer: plain memory, or a fresh file in ``shm_dir`` mapped shared."""
-    if shm_dir is None or total == 0:
-        return torch.empty(total, dtype=torch.uint8), None, None
-    fd, path = tempfile.mkstemp(prefix="slime-bucket-", dir=shm_dir)
-    try:
-        os.ftruncate(fd, total)
-        mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    buf = torch.frombuffer(mm, dtype=torch.uint8)
-    return buf, path, mm
+# ---------------------------------------------------------------- flattened buckets
 
 
-def _default_shm_dir() -> str | None:
-    return SHM_DIR if os.access(SHM_DIR, os.W_OK) else None
+@dataclass(frozen=True)
+class FlatMeta:
+    """Where one tensor lives in a flattened bucket (SGLang's ``FlattenedTensorMetadata`` fields)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+
+    @property
+    def numel(self) -> int:  # SGLang's ``numel`` is the byte count of the slice
+        return self.end_idx - self.start_idx
 
 
-def bucket_layout(group: list[tuple[str, torch.Tensor]], alignment: int) -> BucketMeta:
-    """Where each tensor of ``group`` goes in one flat bucket (offsets aligned to ``alignment``)."""
-    metas: list[TensorMeta] = []
-    off = 0
-    for name, t in group:
-        off = _align(off, alignment)
-        metas.append(TensorMeta(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), offset=off,
-                                nbytes=_nbytes(t)))
-        off += _nbytes(t)
-    return BucketMeta(alignment=alignment, total_bytes=off, tensors=metas)
+def flat_layout(names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[FlatMeta]:
+    """SGLang's layout: tensors back to back, each ``numel * element_size`` bytes, no padding. SGLang
+    refuses a tensor whose offset is not a multiple of its element size, so such a layout is a
+    ValueError here (``group_by_bytes`` starts a new bucket instead of producing one)."""
+    metas, off = [], 0
+    for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+        size = torch.empty((), dtype=dt).element_size()
+        if off % size:
+            raise ValueError(f"{name}: offset {off} is not aligned to its {dt} elements (SGLang refuses it)")
+        n = int(torch.Size(shape).numel()) * size
+        metas.append(FlatMeta(name=name, shape=tuple(int(s) for s in shape), dtype=dt, start_idx=off,
+                              end_idx=off + n))
+        off += n
+    return metas
 
 
-def fill_bucket(buf: torch.Tensor, group: list[tuple[str, torch.Tensor]], meta: BucketMeta) -> None:
-    """The one copy: each source (any device/stride) straight into its slot of the flat buffer."""
-    for (_, t), m in zip(group, meta.tensors, strict=True):
-        if m.nbytes:
-            buf[m.offset:m.offset + m.nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+def layout_of(group: list[tuple[str, torch.Tensor]]) -> list[FlatMeta]:
+    return flat_layout([n for n, _ in group], [t.dtype for _, t in group], [list(t.shape) for _, t in group])
 
 
-def _build(group: list[tuple[str, torch.Tensor]], alignment: int, shm_dir: str | None) -> Bucket:
-    meta = bucket_layout(group, alignment)
-    buf, path, mm = _alloc(meta.total_bytes, shm_dir)
-    fill_bucket(buf, group, meta)
-    bucket = Bucket(meta=meta, buffer=buf, path=path, _keepalive=mm)
-    if path is not None:
-        weakref.finalize(bucket, _unlink_quiet, path)  # the producer owns the file
-    return bucket
+def flat_size(metas: list[FlatMeta]) -> int:
+    return metas[-1].end_idx if metas else 0
 
 
-def pack_buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int = DEFAULT_BUCKET_BYTES,
-                 alignment: int = DEFAULT_ALIGNMENT, shm_dir: str | None | bool = True) -> Iterator[Bucket]:
-    """Pack tensors into buckets of at most ``max_bytes`` (a larger tensor gets a bucket of its own).
+def fill_flat(buf: torch.Tensor, group: list[tuple[str, torch.Tensor]], metas: list[FlatMeta]) -> None:
+    """The one copy: each source tensor (any device, any strides) into its byte range of ``buf``."""
+    for (_, t), m in zip(group, metas, strict=True):
+        if m.numel:  # as bytes: a tensor's offset need not be aligned to its dtype in SGLang's layout
+            src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[m.start_idx:m.end_idx].copy_(src)
 
-    Streams: a bucket is emitted as soon as the next tensor would not fit, so a generator of gathered
-    tensors is never held in full. ``shm_dir=True`` puts buffers in ``/dev/shm`` when writable,
-    ``None``/``False`` keeps them in process memory, a string names the directory.
-    """
+
+def _view(buf: torch.Tensor, m: FlatMeta) -> torch.Tensor:
+    part = buf[m.start_idx:m.end_idx]
+    if m.start_idx % torch.empty((), dtype=m.dtype).element_size():  # unaligned: a view is illegal
+        return part.clone().view(m.dtype).view(m.shape)
+    return part.view(m.dtype).view(m.shape)
+
+
+def unflatten(buf: torch.Tensor, metas: list[FlatMeta]) -> list[tuple[str, torch.Tensor]]:
+    """Named views into a flattened bucket, after checking the layout against the buffer."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise ValueError(f"a flattened bucket is a 1-D uint8 tensor, got {buf.dtype} of shape {list(buf.shape)}")
+    out = []
+    for m in metas:
+        want = int(torch.Size(m.shape).numel()) * torch.empty((), dtype=m.dtype).element_size()
+        if m.start_idx < 0 or m.numel != want or m.end_idx > buf.numel():
+            raise ValueError(f"{m.name}: bytes [{m.start_idx}, {m.end_idx}) do not hold shape "
+                             f"{list(m.shape)} x {m.dtype} inside a {buf.numel()}-byte bucket")
+        out.append((m.name, _view(buf, m)))
+    return out
+
+
+def group_by_bytes(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most ``max_bytes`` (a larger tensor goes alone); streams, never holds all.
+    A tensor that would start at an offset not aligned to its dtype starts a new group (SGLang's
+    flattened layout has no padding and refuses unaligned tensors)."""
     if max_bytes <= 0:
         raise ValueError("max_bytes must be positive")
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError("alignment must be a power of two")
-    where = _default_shm_dir() if shm_dir is True else (shm_dir or None)
     group: list[tuple[str, torch.Tensor]] = []
     used = 0
     for name, t in named:
-        size = _nbytes(t)
-        if group and _align(used, alignment) + size > max_bytes:
-            yield _build(group, alignment, where)
+        size = nbytes(t)
+        if group and (used + size > max_bytes or used % t.element_size()):
+            yield group
             group, used = [], 0
-        used = _align(used, alignment) + size
         group.append((name, t))
+        used += size
     if group:
-        yield _build(group, alignment, where)
+        yield group
 
 
-def unpack(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
-    """Named views into the bucket's buffer (they share its memory: no copies)."""
-    return unpack_buffer(bucket.buffer, bucket.meta)
+class SharedArena:
+    """Reusable bucket buffers in shared memory (one slot per bucket index), kept between pushes.
 
-
-def unpack_buffer(buffer: torch.Tensor, meta: BucketMeta) -> list[tuple[str, torch.Tensor]]:
-    """Views of ``buffer`` (1-D uint8) as described by ``meta``; validates bounds first."""
-    meta.check()
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < meta.total_bytes:
-        raise ValueError(f"buffer holds {buffer.numel()} bytes, meta says {meta.total_bytes}")
-    out = []
-    for m in meta.tensors:
-        view = buffer[m.offset:m.offset + m.nbytes].view(m.torch_dtype).view(m.shape)
-        out.append((m.name, view))
-    return out
-
-
-def to_bytes(bucket: Bucket) -> memoryview:
-    """The raw bytes (a view, no copy) for an HTTP body."""
-    return memoryview(bucket.buffer.numpy()).cast("B") if bucket.nbytes else memoryview(b"")
-
-
-def from_bytes(data: bytes | bytearray | memoryview, meta: BucketMeta) -> Bucket:
-    """Wrap received bytes as a bucket without copying (``bytes`` are read-only: views are too)."""
-    if len(data) != meta.total_bytes:
-        raise ValueError(f"got {len(data)} bytes, meta says {meta.total_bytes}")
-    if len(data) == 0:
-        return Bucket(meta=meta, buffer=torch.empty(0, dtype=torch.uint8))
-    return Bucket(meta=meta, buffer=_readonly_frombuffer(data), _keepalive=data)
-
-
-def write_shm(bucket: Bucket, shm_dir: str = SHM_DIR) -> Bucket:
-    """A copy of ``bucket`` in a new shm file (when it was packed in process memory)."""
-    if bucket.path is not None:
-        return bucket
-    buf, path, mm = _alloc(bucket.nbytes, shm_dir)
-    if bucket.nbytes:
-        buf.copy_(bucket.buffer[: bucket.nbytes])
-    out = Bucket(meta=bucket.meta, buffer=buf, path=path, _keepalive=mm)
-    if path is not None:
-        weakref.finalize(out, _unlink_quiet, path)
-    return out
-
-
-def read_shm(path: str | Path, meta: BucketMeta) -> Bucket:
-    """Map a shm bucket file read-only and wrap it without copying."""
-    meta.check()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < meta.total_bytes:
-            raise ValueError(f"{path} holds {size} bytes, meta says {meta.total_bytes}")
-        if meta.total_bytes == 0:
-            return Bucket(meta=meta, buffer=torch.empty(0, dtype=torch.uint8))
-        # Read-only shared mapping, pre-faulted in one kernel call (no per-page faults during the copy).
-        mm = mmap.mmap(f.fileno(), meta.total_bytes, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-    return Bucket(meta=meta, buffer=_readonly_frombuffer(mm), _keepalive=mm)
-
-
-def _readonly_frombuffer(data: Any) -> torch.Tensor:
-    """A uint8 tensor over a read-only buffer; torch warns that writes would fault, and we never write."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8)
-
-
-@functools.lru_cache(maxsize=64)
-def is_local_host(host: str) -> bool:
-    """True when ``host`` is an address of this machine (we can bind to it), so /dev/shm is shared."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, _, _, _, addr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((addr[0], 0))
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def push_bucket(client: httpx.Client, engine_url: str, bucket: Bucket, weight_version: str | int | None = None,
-                last: bool = False, transport: str = "auto") -> dict[str, Any]:
-    """Send one bucket to an engine's ``/update_weights_from_bucket``; returns its JSON answer.
-
-    ``transport``: ``shm`` (same host: send the file path), ``http`` (send the bytes), or ``auto``
-    (shm when the bucket is a file and the engine's address belongs to this machine). The engine
-    answers SGLang's ``{"success", "message"}``; a refused bucket raises ``httpx.HTTPStatusError``
-    (400) and the engine drops everything staged so far.
+    Why: writing into fresh pages costs several times a memcpy (a page fault per 4 KiB), and a buffer
+    that is already a torch shared-memory file pickles as its file name with no copy. Slot ``i`` is
+    rewritten by the next push, which starts only after every engine has loaded the previous one.
     """
-    version = None if weight_version is None else str(weight_version)
-    if transport == "auto":
-        transport = "shm" if bucket.path and is_local_host(httpx.URL(engine_url).host) else "http"
-    url = f"{engine_url.rstrip('/')}/update_weights_from_bucket"
-    if transport == "shm":
-        bucket = write_shm(bucket)
-        body = BucketUpdateReq(path=str(bucket.path), meta=bucket.meta, weight_version=version, last=last)
-        r = client.post(url, content=body.model_dump_json(), headers={"Content-Type": "application/json"})
-    elif transport == "http":
-        headers = {"Content-Type": "application/octet-stream", META_HEADER: bucket.meta.model_dump_json(),
-                   "X-Weight-Version": version or "", "X-Last": "1" if last else "0"}
-        r = client.post(url, content=bytes(to_bytes(bucket)), headers=headers)
-    else:
-        raise ValueError(f"unknown transport {transport!r}")
-    r.raise_for_status()
-    return r.json()
+
+    def __init__(self, shared: bool = True) -> None:
+        self.shared = shared
+        self._slots: list[torch.Tensor] = []
+
+    def buffer(self, index: int, size: int) -> torch.Tensor:
+        if index < len(self._slots) and self._slots[index].numel() >= size:
+            return self._slots[index][:size]
+        buf = torch.zeros(max(size, 1), dtype=torch.uint8)  # zero-filled: every page faulted in now, once
+        if self.shared:
+            with sharing_strategy("file_system"):
+                buf.share_memory_()
+        if index < len(self._slots):
+            self._slots[index] = buf
+        else:
+            self._slots.append(buf)
+        return buf[:size]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() for s in self._slots)
+
+    def close(self) -> None:
+        self._slots.clear()
+
+
+# ---------------------------------------------------------------- payloads (/update_weights_from_tensor)
+
+_STRATEGY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def sharing_strategy(name: str) -> Iterator[None]:
+    """torch's sharing strategy is process-wide: switch it only around our own pickling."""
+    import torch.multiprocessing as tmp
+
+    with _STRATEGY_LOCK:
+        old = tmp.get_sharing_strategy()
+        tmp.set_sharing_strategy(name)
+        try:
+            yield
+        finally:
+            tmp.set_sharing_strategy(old)
+
+
+def serialize(obj: Any) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``: base64 of a ForkingPickler
+    dump; CPU storages go by shared-memory file name so an unrelated process on this host can map them."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions with ForkingPickler)
+
+    if torch.cuda.is_available():
+        _patch_cuda_reductions()
+    buf = io.BytesIO()
+    with sharing_strategy("file_system"):
+        ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _patch_cuda_reductions() -> None:
+    """What SGLang expects of a CUDA payload: devices named by UUID, not by a process-local index (its
+    ``monkey_patch_torch_reductions``; slime applies it too). Only with the ``gpu`` extra installed."""
+    try:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:  # no SGLang here: the engines' own index mapping must then agree with ours
+        return
+    monkey_patch_torch_reductions()
+
+
+def flattened_payload(flat: torch.Tensor, metas: list[FlatMeta]) -> dict[str, Any]:
+    """The object SGLang's ``_update_weights_from_flattened_bucket`` reads."""
+    return {"flattened_tensor": flat,
+            "metadata": [types.SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype,
+                                               start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel)
+                         for m in metas]}
+
+
+def serialize_flattened_bucket(named: list[tuple[str, torch.Tensor]]) -> str:
+    """One flattened bucket of ``named`` as an ``/update_weights_from_tensor`` payload (a fresh shared
+    buffer; the trainer's pusher packs into a reusable ``SharedArena`` instead)."""
+    metas = layout_of(named)
+    flat = torch.empty(flat_size(metas), dtype=torch.uint8)
+    fill_flat(flat, named, metas)
+    with sharing_strategy("file_system"):
+        flat.share_memory_()
+    return serialize(flattened_payload(flat, metas))
+
+
+# What a payload may reference: torch's tensor/storage rebuild functions for CPU shared memory, plain
+# containers and SimpleNamespace metadata (a subset of SGLang's SafeUnpickler allow-list). Anything else
+# (e.g. os.system) is refused: a pickle from the network must never run code.
+_ALLOWED_GLOBALS = {
+    ("builtins", "dict"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "int"),
+    ("builtins", "str"), ("builtins", "bool"), ("builtins", "float"),
+    ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("types", "SimpleNamespace"),
+    ("torch", "Size"), ("torch", "Tensor"), ("torch", "UntypedStorage"), ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+} | {("torch", name) for name in _DTYPES}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a weight payload")
+        if module == "sglang.srt.weight_sync.tensor_bucket":  # SGLang's own metadata class, by attribute
+            return _AnyNamespace
+        return super().find_class(module, name)
+
+
+class _AnyNamespace(types.SimpleNamespace):
+    """Stands in for SGLang's ``FlattenedTensorMetadata`` (a dataclass restored from its ``__dict__``)."""
+
+
+def load_payload(data: str | bytes) -> Any:
+    """Inverse of ``serialize`` for receivers, with the allow-list above; raises ValueError on bad input."""
+    import torch.multiprocessing  # noqa: F401
+
+    try:
+        raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
+        return _SafeUnpickler(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, AttributeError, RuntimeError, OSError) as e:
+        raise ValueError(f"unreadable weight payload: {e}") from None
+
+
+def payload_tensors(obj: Any, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors of an unpickled payload: a flattened bucket dict, or a list of (name, tensor)."""
+    if load_format == FLATTENED_BUCKET:
+        if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
+            raise ValueError("a flattened_bucket payload is {'flattened_tensor': ..., 'metadata': [...]}")
+        try:
+            metas = [FlatMeta(name=str(m.name), shape=tuple(int(s) for s in m.shape), dtype=m.dtype,
+                              start_idx=int(m.start_idx), end_idx=int(m.end_idx)) for m in obj["metadata"]]
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ValueError(f"bad flattened_bucket metadata: {e}") from None
+        if not all(isinstance(m.dtype, torch.dtype) for m in metas):
+            raise ValueError("flattened_bucket metadata dtypes must be torch dtypes")
+        return unflatten(obj["flattened_tensor"], metas)
+    if load_format not in (None, "direct"):
+        raise ValueError(f"unsupported load_format {load_format!r} (use flattened_bucket, direct or none)")
+    if not isinstance(obj, list | tuple) or not all(
+            isinstance(x, list | tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
+            for x in obj):
+        raise ValueError("a payload without load_format is a list of (name, tensor) pairs")
+    return [(str(n), t) for n, t in obj]
+
+
+# ---------------------------------------------------------------- process group (/init_weights_update_group)
+
+
+def open_weight_group(master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
+                      backend: str = "gloo", timeout_s: float = 600.0) -> Any:
+    """Join (rank > 0) or create (rank 0) a weight-update group the way SGLang's engines do.
+
+    Outside the default process group on purpose: the trainer already has one (Megatron's), the CPU
+    engine has none. Returns a ProcessGroup for ``torch.distributed.broadcast(t, src=0, group=pg)``.
+    """
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    host = f"[{master_address}]" if ":" in master_address and not master_address.startswith("[") else master_address
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)  # SGLang's outer prefix: without it the ranks never meet
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def close_weight_group(pg: Any) -> None:
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):  # a group whose peer died cannot always be torn down cleanly
+        dist.destroy_process_group(pg)

@@ -16,7 +16,7 @@ def generate_body(seed: int = 0, max_new_tokens: int = 4) -> dict:
     return {
         "input_ids": PROMPT,
         "sampling_params": {"temperature": 0.7, "max_new_tokens": max_new_tokens, "ignore_eos": True,
-                            "seed": seed},
+                            "sampling_seed": seed},
         "return_logprob": True,
     }
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from slime_server.rollout.protocol import MetaInfo
 from slime_server.trainer.convert import export_hf_state_dict
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group, python_module_cmd, spawn
@@ -43,11 +44,12 @@ def greedy(url: str) -> tuple[list[int], list[float], list[str]]:
     r.raise_for_status()
     out = r.json()
     meta = out["meta_info"]
-    return out["output_ids"], [lp[0] for lp in meta["output_token_logprobs"]], meta["output_token_weight_versions"]
+    versions = MetaInfo.model_validate(meta).token_versions(len(out["output_ids"]))
+    return out["output_ids"], [lp[0] for lp in meta["output_token_logprobs"]], versions
 
 
 def version_of(url: str) -> str:
-    return httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"]
+    return str(httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"])
 
 
 @contextlib.contextmanager

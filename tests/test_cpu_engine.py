@@ -10,7 +10,6 @@ import pytest
 import torch
 from _engine_helpers import hf_greedy, hf_model
 
-from slime_server import weights
 from slime_server.rollout.cpu_engine import (
     KV_INITIAL_HEADROOM,
     BadRequest,
@@ -86,9 +85,9 @@ def test_max_new_tokens_zero_and_eos(engine) -> None:
 
 
 def test_seeded_samples_do_not_depend_on_batch_company(engine) -> None:
-    sp = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=99)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, sampling_seed=99)
     (alone,) = engine.generate(PROMPT, sp)
-    others = [s for i in range(5) for s in engine.new_sequences([40 + i, 41], sp.model_copy(update={"seed": i}))]
+    others = [s for i in range(5) for s in engine.new_sequences([40 + i, 41], sp.model_copy(update={"sampling_seed": i}))]
     target = engine.new_sequences(PROMPT, sp)[0]
     for s in [*others[:3], target, *others[3:]]:
         engine.submit(s)
@@ -99,7 +98,7 @@ def test_seeded_samples_do_not_depend_on_batch_company(engine) -> None:
 
 
 def test_pause_in_place_holds_requests_until_continue(engine) -> None:
-    engine.pause(abort_running=False)
+    engine.pause("in_place")
     try:
         seq = engine.submit(engine.new_sequences(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))[0])
         time.sleep(0.3)
@@ -109,20 +108,49 @@ def test_pause_in_place_holds_requests_until_continue(engine) -> None:
     assert seq.done.wait(30) and len(seq.output_ids) == 4
 
 
-def test_python_staging_api_commits_atomically(engine, tiny_model_path) -> None:
+def test_retract_recomputes_and_changes_nothing(engine) -> None:
+    """A retract pause mid-generation drops the running requests' KV and recomputes it on resume: with
+    the same weights the ids are exactly the uninterrupted ones and the log-probs agree to rounding."""
+    sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    alone = engine.generate(PROMPT, sp)[0]
+    seq = engine.new_sequences(PROMPT, sp, return_logprob=True)[0]
+    engine.submit(seq)
+    deadline = time.monotonic() + 30
+    while len(seq.output_ids) < 5 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    engine.pause("retract")
+    try:
+        assert engine.load()["num_running_reqs"] == 0 and not seq.done.is_set() and seq.kv == []
+        assert engine.flush_cache()  # SGLang: a retract pause leaves nothing running to keep
+    finally:
+        engine.resume()
+    assert seq.done.wait(60)
+    out = engine.result(seq)
+    assert 5 <= len(out.output_ids) and out.output_ids == alone.output_ids
+    ref = engine.generate(PROMPT, sp.model_copy())[0]
+    got = [lp for lp, _, _ in out.meta_info.output_token_logprobs]
+    seq2 = engine.new_sequences(PROMPT, sp, return_logprob=True)[0]
+    engine.submit(seq2)
+    assert seq2.done.wait(60) and ref.output_ids == out.output_ids
+    want = [lp for lp, _, _ in engine.result(seq2).meta_info.output_token_logprobs]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+
+
+def test_python_load_api_switches_atomically(engine, tiny_model_path) -> None:
+    """``load_weights`` copies every tensor between two decode steps and takes the version with them;
+    a tensor that does not fit is refused before anything is touched."""
     ref = hf_model(tiny_model_path)
     with torch.no_grad():
         for p in ref.parameters():
             p.mul_(-1.0)
     sp = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
     before = engine.generate(PROMPT, sp)[0].output_ids
-    buckets = list(weights.pack_buckets(ref.state_dict().items(), max_bytes=1 << 20, shm_dir=None))
-    for b in buckets:
-        engine.stage_bucket(b)
-    assert engine.generate(PROMPT, sp)[0].output_ids == before, "staged weights are not live yet"
+    with pytest.raises(BadRequest):
+        engine.load_weights([*ref.state_dict().items(), ("model.norm.weight", torch.zeros(3))], "bad")
+    assert engine.generate(PROMPT, sp)[0].output_ids == before and engine.weight_version != "bad"
     done = threading.Event()
     threading.Thread(target=lambda: (engine.generate(PROMPT, sp), done.set()), daemon=True).start()
-    assert engine.commit_weights("neg") == len(engine._params)
+    assert engine.load_weights(list(ref.state_dict().items()), "neg") == len(ref.state_dict())
     assert engine.weight_version == "neg"
     assert engine.generate(PROMPT, sp)[0].output_ids == hf_greedy(ref, PROMPT, 10)
     assert done.wait(30)

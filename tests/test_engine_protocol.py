@@ -96,7 +96,7 @@ def test_info_endpoints(url) -> None:
     assert info["is_generation"] is True and info["model_path"]
     server = httpx.get(f"{url}/get_server_info", timeout=10).json()
     assert server["max_running_requests"] == 16 and server["num_generate_requests"] > 0
-    assert httpx.get(f"{url}/get_weight_version", timeout=10).json() == {"weight_version": "0"}
+    assert httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "0"
     assert httpx.post(f"{url}/flush_cache", timeout=10).status_code == 200
 
 

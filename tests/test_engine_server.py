@@ -38,7 +38,7 @@ def test_greedy_matches_hf_generate(url, ref) -> None:
 
 
 def test_sampled_logprobs_match_a_separate_hf_forward(url, ref) -> None:
-    sp = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 32, "ignore_eos": True, "seed": 7}
+    sp = {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 32, "ignore_eos": True, "sampling_seed": 7}
     out = gen(url, {"input_ids": PROMPT, "sampling_params": sp, "return_logprob": True}).json()
     entries = out["meta_info"]["output_token_logprobs"]
     assert [e[1] for e in entries] == out["output_ids"] and len(entries) == 32
@@ -79,13 +79,13 @@ def test_sixteen_concurrent_requests_equal_sequential_and_are_faster(url) -> Non
 
 
 def test_seed_reproduces_and_n_returns_n_results(url) -> None:
-    sp = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "seed": 1234}
+    sp = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 1234}
     a = gen(url, {"input_ids": PROMPT, "sampling_params": sp}).json()
     b = gen(url, {"input_ids": PROMPT, "sampling_params": sp}).json()
-    c = gen(url, {"input_ids": PROMPT, "sampling_params": {**sp, "seed": 4321}}).json()
+    c = gen(url, {"input_ids": PROMPT, "sampling_params": {**sp, "sampling_seed": 4321}}).json()
     assert a["output_ids"] == b["output_ids"] != c["output_ids"]
     many = gen(url, {"input_ids": PROMPT, "sampling_params": {**sp, "n": 3}, "rid": "grp"}).json()
     assert isinstance(many, list) and len(many) == 3
     assert many[0]["output_ids"] == a["output_ids"]  # sample i uses seed + i
     assert len({tuple(m["output_ids"]) for m in many}) == 3
-    assert [m["meta_info"]["id"] for m in many] == ["grp-0", "grp-1", "grp-2"]
+    assert [m["meta_info"]["id"] for m in many] == ["grp_0", "grp_1", "grp_2"]  # SGLang: {rid}_{i}

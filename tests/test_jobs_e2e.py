@@ -135,7 +135,7 @@ def cancel(server: Any, job_id: str) -> dict[str, Any]:
 
 
 def engine_versions(server: Any) -> list[str]:
-    return [httpx.get(f"{u}/get_weight_version", timeout=10).json()["weight_version"]
+    return [httpx.get(f"{u}/model_info", timeout=10).json()["weight_version"]
             for u in server.deployment.engine_urls]
 
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def engine_versions(router_url: str) -> list[str]:
     workers = httpx.get(f"{router_url}/workers", timeout=10).json()["workers"]
-    return [str(httpx.get(f"{w['url']}/get_weight_version", timeout=10).json()["weight_version"]) for w in workers]
+    return [str(httpx.get(f"{w['url']}/model_info", timeout=10).json()["weight_version"]) for w in workers]
 
 
 def test_judge_on_its_own_engines_is_used_and_never_trained(tiny_model_path: Path, tmp_path: Path) -> None:

@@ -87,3 +87,58 @@ def test_session_abort_stops_the_generation_for_good(gateway: GatewayProc, route
     traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
     assert sum(traj[0]["loss_mask"]) == done.usage.completion_tokens
     assert httpx.post(f"{gateway.base_url}/sessions/no-such-session/abort", timeout=10).status_code == 404
+
+
+def _wait_waiting(engine: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{engine}/get_server_info", timeout=10).json()["internal_states"][0]
+        if info["num_waiting_reqs"]:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no request is waiting: {info}")
+
+
+def test_session_abort_reaches_every_sample_of_n(gateway: GatewayProc, router_url: str) -> None:  # noqa: F811
+    """n = 3 runs as three engine requests ({rid}_0.._2, SGLang's names): the session abort stops all."""
+    client = openai_client(gateway)
+    sid = "surplus-n3"
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
+        model=MODEL, messages=PROMPT, max_tokens=400, n=3, temperature=1.0, seed=5,
+        extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": sid})))
+    t.start()
+    _wait_running(_engine_url(router_url))
+    time.sleep(0.2)
+    r = httpx.post(f"{gateway.base_url}/sessions/{sid}/abort", timeout=30)
+    assert r.status_code == 200 and r.json()["aborted"] == 4  # the request's rid and its three samples
+    t.join(120)
+    assert len(result["r"].choices) == 3
+    assert result["r"].usage.completion_tokens < 3 * 400  # every sample stopped, none continued
+    assert all(c.finish_reason != "length" for c in result["r"].choices)
+
+
+def test_session_abort_reaches_a_continuation(gateway: GatewayProc, router_url: str) -> None:  # noqa: F811
+    """The engine aborts a generation (a weight update's pause), the gateway sends the continuation
+    ({rid}-cont0) which waits on the paused engine; the session abort now must stop that one."""
+    client = openai_client(gateway)
+    sid = "surplus-cont"
+    engine = _engine_url(router_url)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
+        model=MODEL, messages=PROMPT, max_tokens=400, temperature=1.0, seed=9,
+        extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": sid})))
+    t.start()
+    _wait_running(engine)
+    httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}, timeout=10).raise_for_status()
+    try:
+        _wait_waiting(engine)  # the continuation is queued on the paused engine
+        r = httpx.post(f"{gateway.base_url}/sessions/{sid}/abort", timeout=30)
+        assert r.status_code == 200 and r.json()["aborted"] == 2  # the request and its continuation
+    finally:
+        httpx.post(f"{engine}/continue_generation", json={}, timeout=10).raise_for_status()
+    t.join(120)
+    done = result["r"]
+    assert done.choices[0].finish_reason != "length" and done.usage.completion_tokens < 400
+    traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
+    assert sum(traj[0]["loss_mask"]) == done.usage.completion_tokens

@@ -63,6 +63,18 @@ def test_build_router_cmd_sets_ports_policy_and_extra_args() -> None:
     assert cmd[-6:] == ["--queue-size", "8", "--disable-retries", "--cors-allowed-origins", "a", "b"]
 
 
+def test_router_runs_without_its_own_health_check_and_circuit_breaker() -> None:
+    """As slime launches it: the supervisor is the health monitor (a paused engine is not a dead one)."""
+    from sglang_router.launch_router import parse_router_args
+
+    cmd = build_router_cmd(RouterSettings(), port=1234, prometheus_port=1235, worker_urls=["http://127.0.0.1:1"])
+    assert "--disable-health-check" in cmd and "--disable-circuit-breaker" in cmd
+    assert "--health-check-interval-secs" not in cmd  # meaningless with the check off
+    args = parse_router_args(cmd[3:])  # the 0.3.2 launcher's own parser accepts every flag we pass
+    assert args.disable_health_check is True and args.disable_circuit_breaker is True
+    assert args.port == 1234 and args.prometheus_port == 1235 and args.worker_urls == ["http://127.0.0.1:1"]
+
+
 def test_generate_through_router_reaches_both_engines(router: RouterProcess, engines: list[EngineActor]) -> None:
     before = [served_generate_count(e) for e in engines[:2]]
     results = _generate(router.url, 6)
@@ -138,3 +150,18 @@ def test_router_dies_with_its_owner(tmp_path: Path) -> None:
     while time.monotonic() < deadline and pid_alive(int(pid_s)):
         time.sleep(0.1)
     assert not pid_alive(int(pid_s))
+
+
+def test_sampling_seed_survives_the_router(router: RouterProcess) -> None:
+    """SGLang's ``sampling_seed`` goes through sgl-router 0.3.2 to the engines (it dropped ``seed``):
+    the same seed reproduces a temperature-1 sample on whichever engine serves it, another seed does not."""
+    def sample(seed: int) -> list[int]:
+        body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"temperature": 1.0, "max_new_tokens": 24,
+                                                               "ignore_eos": True, "sampling_seed": seed}}
+        r = httpx.post(f"{router.url}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    first = sample(11)
+    assert all(sample(11) == first for _ in range(3))  # round robin: both engines served the same seed
+    assert sample(12) != first

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
 import shutil
 import sys
+import types
+from typing import Any
 
 import pytest
+from _sglang_source import sglang_file
 
 from slime_server.cli import build_parser, settings_from_args
 from slime_server.config import EngineSettings, split_passthrough
 from slime_server.rollout.actors import EngineSpec, engine_command
-from slime_server.rollout.sglang_launcher import SGLangArgsError, build_sglang_command, sglang_flag_args
+from slime_server.rollout.sglang_launcher import (
+    SGLangArgsError,
+    build_sglang_command,
+    check_sglang_args,
+    server_arg_names,
+    sglang_flag_args,
+)
 
 
 def test_command_from_cli_flags_exactly() -> None:
@@ -77,3 +89,115 @@ def test_passthrough_names_are_real_sglang_args() -> None:
 
     assert check_sglang_args({"mem_fraction_static": 0.7, "tp_size": 1}) == []
     assert check_sglang_args({"no_such_option_xyz": 1}) == ["no_such_option_xyz"]
+
+
+# ---------------------------------------------------------------- ServerArgs of the pinned release (0.5.23)
+
+SERVER_ARGS = "sglang/srt/server_args.py"
+FIELDS_PKG = "sglang.srt.arg_groups.fields."
+
+
+def _annotated_names(cls: ast.ClassDef) -> list[str]:
+    return [st.target.id for st in cls.body if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
+            and "ClassVar" not in ast.unparse(st.annotation)]
+
+
+@functools.cache
+def sglang_0_5_23_server_arg_names() -> tuple[str, ...]:
+    """The field names of 0.5.23's ``ServerArgs``, read with ``ast`` from the wheel (never imported).
+
+    0.5.23 builds ``ServerArgs`` with ``msgspec.defstruct`` from the fields of the namespace Structs listed
+    in ``_INPUT_NAMESPACES`` (each imported from ``sglang.srt.arg_groups.fields.<module>``) plus any
+    annotation of the ``ServerArgs`` class body itself.
+    """
+    tree = ast.parse(sglang_file(SERVER_ARGS).read_text(encoding="utf-8"))
+    module_of: dict[str, str] = {}
+    namespaces: list[str] = []
+    own: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(FIELDS_PKG):
+            module_of.update({a.asname or a.name: node.module for a in node.names})
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_INPUT_NAMESPACES"
+                                                  for t in node.targets):
+            assert isinstance(node.value, ast.List)
+            namespaces = [e.id for e in node.value.elts if isinstance(e, ast.Name)]
+        elif isinstance(node, ast.ClassDef) and node.name == "ServerArgs":
+            own = _annotated_names(node)
+    assert namespaces, "_INPUT_NAMESPACES not found: did SGLang change how ServerArgs is built?"
+    names = list(own)
+    for ns in namespaces:
+        rel = module_of[ns].replace(".", "/") + ".py"
+        mod = ast.parse(sglang_file(rel).read_text(encoding="utf-8"))
+        cls = next(n for n in mod.body if isinstance(n, ast.ClassDef) and n.name == ns)
+        names += _annotated_names(cls)
+    assert len(names) == len(set(names)), "a field declared twice"
+    return tuple(names)
+
+
+def _fake_sglang(monkeypatch: pytest.MonkeyPatch, server_args_cls: type) -> None:
+    """Make ``from sglang.srt.server_args import ServerArgs`` give ``server_args_cls`` (no CUDA needed)."""
+    for name in ("sglang", "sglang.srt"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    mod = types.ModuleType("sglang.srt.server_args")
+    mod.ServerArgs = server_args_cls  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang.srt.server_args", mod)
+
+
+def test_0_5_23_server_args_fields_parse() -> None:
+    names = set(sglang_0_5_23_server_arg_names())
+    assert len(names) > 300
+    # what build_sglang_command always passes, and what the docs' examples pass through
+    assert {"model_path", "host", "port", "max_running_requests", "mem_fraction_static", "tp_size",
+            "cuda_graph_bs_decode", "enable_torch_compile", "disable_radix_cache", "api_key", "weight_version"} <= names
+
+
+def test_check_sglang_args_on_0_5_23_msgspec_struct(monkeypatch: pytest.MonkeyPatch) -> None:
+    import msgspec
+
+    names = sglang_0_5_23_server_arg_names()
+    # built as 0.5.23 builds it: msgspec.defstruct(..., dict=True); not a dataclass
+    server_args = msgspec.defstruct("ServerArgs", [(n, Any, None) for n in names], dict=True)
+    assert not dataclasses.is_dataclass(server_args)
+    _fake_sglang(monkeypatch, server_args)
+    assert server_arg_names(server_args) == frozenset(names)
+    assert check_sglang_args({"mem_fraction_static": 0.7, "tp-size": 1}) == []
+    assert check_sglang_args({"no_such_option_xyz": 1, "tp_size": 2}) == ["no_such_option_xyz"]
+    # 0.5.23 split --cuda-graph-bs into --cuda-graph-bs-decode / --cuda-graph-bs-prefill: caught before launch
+    assert check_sglang_args({"cuda_graph_bs": [1, 2], "cuda_graph_bs_decode": [1, 2]}) == ["cuda_graph_bs"]
+
+
+def test_check_sglang_args_on_a_dataclass_server_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Releases up to 0.5.15 declare ServerArgs as a dataclass."""
+    server_args = dataclasses.make_dataclass("ServerArgs", [("tp_size", int, 1), ("mem_fraction_static", float, 0.8)])
+    _fake_sglang(monkeypatch, server_args)
+    assert check_sglang_args({"mem_fraction_static": 0.7, "tp_size": 1}) == []
+    assert check_sglang_args({"no_such_option_xyz": 1}) == ["no_such_option_xyz"]
+    with pytest.raises(TypeError):
+        server_arg_names(dict)
+
+
+def test_api_key_is_passed_only_where_the_release_has_it() -> None:
+    engine = EngineSettings(kind="sglang")
+    known = sglang_0_5_23_server_arg_names()
+    cmd = build_sglang_command(engine, "/m", port=1, python="py", api_key="k", known_args=known)
+    assert cmd[cmd.index("--api-key") + 1] == "k"
+    without = [n for n in known if n != "api_key"]
+    assert "--api-key" not in build_sglang_command(engine, "/m", port=1, python="py", api_key="k", known_args=without)
+    # an explicit --sglang-api-key wins over slime-server's own
+    mine = EngineSettings(kind="sglang", sglang_args={"api_key": "user"})
+    cmd = build_sglang_command(mine, "/m", port=1, python="py", api_key="k", known_args=known)
+    assert cmd.count("--api-key") == 1 and cmd[cmd.index("--api-key") + 1] == "user"
+    # optional flags the release lacks are dropped; known ones kept
+    cmd = build_sglang_command(engine, "/m", port=1, python="py", known_args=known,
+                               optional_args={"weight_version": "0", "health_check_timeout": 5})
+    assert cmd[-2:] == ["--weight-version", "0"] and "--health-check-timeout" not in cmd
+
+
+def test_no_optional_flag_means_no_sglang_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without optional flags the command is built without looking SGLang up (CPU driver, no gpu extra)."""
+    monkeypatch.setitem(sys.modules, "sglang", None)  # any import of it would raise
+    cmd = build_sglang_command(EngineSettings(kind="sglang"), "/m", port=1, python="py")
+    assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
+    # with one and no SGLang here, it is passed unchecked (the engine's node has SGLang; the launch checks)
+    cmd = build_sglang_command(EngineSettings(kind="sglang"), "/m", port=1, python="py", api_key="k")
+    assert cmd[-2:] == ["--api-key", "k"]

@@ -26,14 +26,12 @@ from slime_server.trainer.convert import iter_hf_tensors, load_hf_checkpoint_int
 from slime_server.trainer.model import build_gpt_model
 from slime_server.trainer.parallel import parallel_context
 from slime_server.trainer.weight_push import (
-    BucketArena,
     WeightPusher,
     WeightPushError,
     is_push_sender,
     mark_last,
 )
 from slime_server.utils.net import find_free_port
-from slime_server.weights import pack_buckets, unpack
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -63,23 +61,27 @@ def test_mark_last():
     assert list(mark_last("ab")) == [("a", False), ("b", True)]
 
 
-def test_push_matches_trainer_model(megatron, engines):
-    """Several buckets into a real engine: greedy ids and logprobs equal the trainer's, version moves.
+@pytest.mark.parametrize("mode", ["tensor", "distributed"])
+def test_push_matches_trainer_model(megatron, engines, mode):
+    """Several buckets into a real engine through SGLang's routes (shared-memory tensor handles, or a
+    gloo group and one broadcast per bucket): greedy ids and logprobs equal the trainer's, version moves.
 
-    Two pushes through one pusher: the second rewrites the reused bucket buffers, so stale bytes from
-    the first would show up as a mismatch."""
+    Two pushes through one pusher: the second rewrites the reused bucket buffers (and reuses the group),
+    so stale bytes from the first would show up as a mismatch."""
     config, model = megatron
     url = engines[0]
     before_ids, before_lps, _ = greedy(url)
     total = sum(t.numel() * t.element_size() for t in perturbed(model, seed=1).values())
     bucket_bytes = total // 4
-    with WeightPusher([url], bucket_bytes=bucket_bytes, transport="shm", sender=True) as pusher:
+    with WeightPusher([url], bucket_bytes=bucket_bytes, mode=mode, sender=True) as pusher:
         pusher.push(iter_hf_tensors(model), version=6)
-        arena_bytes = pusher._arena.nbytes
+        arena_bytes, group = pusher._arena.nbytes, pusher._group
         state = perturbed(model, seed=11, scale=0.2)
         stats = pusher.push(iter_hf_tensors(model), version=7)
         assert pusher._arena.nbytes == arena_bytes  # buffers reused, not reallocated
-    assert stats.sent and stats.version == "7"
+        assert pusher._group is group  # the group is kept between pushes
+    assert (group is None) == (mode == "tensor")
+    assert stats.sent and stats.version == "7" and stats.mode == mode
     assert stats.tensors == len(state) and stats.bytes == total
     assert stats.buckets >= max(2, math.ceil(total / bucket_bytes))
     assert [e.weight_version for e in stats.engines] == ["7"] and stats.engines[0].gbps > 0
@@ -94,37 +96,16 @@ def test_push_matches_trainer_model(megatron, engines):
     assert (ids, lps) != (before_ids, before_lps)  # the push really changed what the engine serves
 
 
-def test_arena_packs_like_pack_buckets():
-    """Same grouping, layout and bytes as ``weights.pack_buckets``; a second pack reuses the slots."""
-    gen = torch.Generator().manual_seed(0)
-    named = [(f"t{i}", torch.randn(n, generator=gen).to(dt))
-             for i, (n, dt) in enumerate([(7, torch.float32), (300, torch.bfloat16), (5, torch.float32),
-                                          (900, torch.float32), (1, torch.int64)])]
-    arena = BucketArena(shm_dir=None)
-    try:
-        ours = list(arena.pack(iter(named), max_bytes=1300))
-        ref = list(pack_buckets(iter(named), max_bytes=1300, shm_dir=None))
-        assert [b.meta for b in ours] == [b.meta for b in ref] and len(ours) == 3
-        for a, b in zip(ours, ref, strict=True):
-            assert all(torch.equal(x, y) for (_, x), (_, y) in zip(unpack(a), unpack(b), strict=True))
-        slots = [b.buffer.data_ptr() for b in ours]
-        again = list(arena.pack(iter(named[::-1]), max_bytes=1300))
-        assert [b.buffer.data_ptr() for b in again][:2] == slots[:2]
-        assert [m.name for b in again for m in b.meta.tensors] == [n for n, _ in named[::-1]]
-    finally:
-        arena.close()
-
-
-def test_http_transport_and_megatron_forward_parity(megatron, engines):
-    """The octet-stream path lands the same weights; checked against the Megatron forward itself."""
+def test_distributed_megatron_forward_parity(megatron, engines):
+    """The broadcast path lands the same weights; checked against the Megatron forward itself."""
     from slime_server.trainer.model import forward_logits
 
     _, model = megatron
     url = engines[0]
     perturbed(model, seed=2)
-    with WeightPusher([url], bucket_bytes=2**20, transport="http", sender=True) as pusher:
-        stats = pusher.push(iter_hf_tensors(model), version="v-http")
-    assert stats.buckets > 1 and version_of(url) == "v-http"
+    with WeightPusher([url], bucket_bytes=2**20, mode="distributed", sender=True) as pusher:
+        stats = pusher.push(iter_hf_tensors(model), version="v-dist")
+    assert stats.buckets > 1 and version_of(url) == "v-dist"
     ids, lps, _ = greedy(url)
     with torch.no_grad():
         logits = forward_logits(model, torch.tensor([PROMPT + ids]))[0, len(PROMPT) - 1:-1].float()
@@ -133,8 +114,10 @@ def test_http_transport_and_megatron_forward_parity(megatron, engines):
     torch.testing.assert_close(torch.tensor(lps), want, atol=1e-4, rtol=0)
 
 
-def test_two_engines_rolling_while_serving(megatron, engines):
-    """Both engines end on the new version; a client hammering both during the push sees no error."""
+@pytest.mark.parametrize("mode", ["tensor", "distributed"])
+def test_two_engines_while_serving(megatron, engines, mode):
+    """Both engines end on the new version (tensor: one after the other; distributed: one group, one
+    broadcast); a client hammering both during the push sees no error: paused requests wait."""
     _, model = megatron
     perturbed(model, seed=3)
     stop = threading.Event()
@@ -159,21 +142,21 @@ def test_two_engines_rolling_while_serving(megatron, engines):
     thread.start()
     try:
         time.sleep(0.3)
-        with WeightPusher(list(engines), bucket_bytes=2**20, rolling=True, sender=True) as pusher:
-            stats = pusher.push(iter_hf_tensors(model), version=42)
+        with WeightPusher(list(engines), bucket_bytes=2**20, rolling=True, mode=mode, sender=True) as pusher:
+            stats = pusher.push(iter_hf_tensors(model), version=f"42{mode}")
         time.sleep(0.3)
     finally:
         stop.set()
         thread.join(timeout=60)
     assert not failures, failures[:3]
-    assert [e.weight_version for e in stats.engines] == ["42", "42"]
-    assert [version_of(u) for u in engines] == ["42", "42"]
-    assert "42" in served and len(served) >= 4
+    assert [e.weight_version for e in stats.engines] == [f"42{mode}"] * 2
+    assert [version_of(u) for u in engines] == [f"42{mode}"] * 2
+    assert f"42{mode}" in served and len(served) >= 4
 
 
 def test_refused_bucket_is_reported_not_skipped(megatron, engines):
     """A bucket the engine refuses (a tensor its model lacks) fails the push loudly; the engine keeps
-    its old version and weights and goes on serving."""
+    its old version and goes on serving (the buckets before it were the weights it already had)."""
     _, model = megatron
     url = engines[1]
     before = version_of(url)
@@ -225,6 +208,6 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         WeightPusher([])
     with pytest.raises(ValueError):
-        WeightPusher(["http://127.0.0.1:1"], transport="carrier-pigeon")  # type: ignore[arg-type]
+        WeightPusher(["http://127.0.0.1:1"], mode="carrier-pigeon")  # type: ignore[arg-type]
     with WeightPusher(["http://127.0.0.1:1"], sender=True) as pusher, pytest.raises(ValueError):
         pusher.push(iter(()), version=1)

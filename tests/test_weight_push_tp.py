@@ -44,15 +44,21 @@ def run_ranks(hf_dir: Path, url: str, out: Path) -> list[dict]:
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        # Logs go to files, not pipes: the sender starts torch's shared-memory manager (CPU payloads of
+        # /update_weights_from_tensor), which inherits its stdout and lives as long as the engine it serves.
+        log = open(f"{out}.log{rank}", "w")  # noqa: SIM115  (closed below)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(hf_dir), url, str(out), "2"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                      env=env, stdout=log, stderr=subprocess.STDOUT, text=True))
+        log.close()
     try:
-        logs = [p.communicate(timeout=150)[0] for p in procs]
+        for p in procs:
+            p.wait(timeout=150)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    logs = [Path(f"{out}.log{rank}").read_text() for rank in range(2)]
     for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
         assert p.returncode == 0, f"rank {rank} failed:\n{log[-3000:]}"
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(2)]

@@ -1,108 +1,159 @@
-"""Bucket format: bit-exact round trips, the size bound, zero-copy views, shm and raw-bytes transport."""
+"""Weight-update payloads in SGLang's formats: flattened-bucket layout, payload round trip through shared
+memory in another process, the receiver's allow-list, and a >= 200 MB gloo broadcast between two
+processes over SGLang's group rendezvous."""
 
 from __future__ import annotations
 
+import base64
 import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
 
 from slime_server import weights
-from slime_server.weights import BucketMeta, TensorMeta
+from slime_server.utils.net import find_free_port, is_local_host
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [
-        ("a.weight", torch.randn(17, 5, generator=g)),
-        ("b.bias", torch.randn(3, generator=g).to(torch.bfloat16)),
-        ("c.half", torch.randn(2, 3, 4, generator=g).to(torch.float16)),
-        ("d.ids", torch.randint(-(2**40), 2**40, (7,), generator=g)),
-        ("e.mask", torch.rand(9, generator=g) > 0.5),
-        ("f.scalar", torch.tensor(3.25, dtype=torch.float64)),
-        ("g.empty", torch.empty(0, 4)),
-        ("h.noncontig", torch.randn(6, 4, generator=g).t()),
-        ("i.int8", torch.randint(-128, 127, (33,), dtype=torch.int8, generator=g)),
-    ]
+    return [("c", torch.randint(0, 9, (4,), generator=g)), ("a", torch.randn(3, 5, generator=g)),
+            ("d", torch.randn(2, 2, generator=g).t()), ("b", torch.randn(7, generator=g).to(torch.bfloat16))]
 
 
-@pytest.mark.parametrize("shm_dir", [None, True])
-@pytest.mark.parametrize("max_bytes", [64, 200, 1 << 20])
-def test_round_trip_is_bit_exact_and_respects_the_bound(shm_dir, max_bytes: int) -> None:
+def test_layout_is_sglangs_contiguous_one():
+    """Back to back, byte offsets, numel in bytes: what SGLang's FlattenedTensorBucket computes."""
+    metas = weights.layout_of(_mixed())
+    assert [(m.start_idx, m.end_idx) for m in metas] == [(0, 32), (32, 92), (92, 108), (108, 122)]
+    assert [m.numel for m in metas] == [32, 60, 16, 14] and weights.flat_size(metas) == 122
+
+
+def test_fill_and_unflatten_round_trip_exactly():
     named = _mixed()
-    buckets = list(weights.pack_buckets(named, max_bytes=max_bytes, shm_dir=shm_dir))
-    got = [kv for b in buckets for kv in weights.unpack(b)]
-    assert [n for n, _ in got] == [n for n, _ in named]
-    for (_, want), (_, have) in zip(named, got, strict=True):
-        assert have.dtype == want.dtype and have.shape == want.shape
-        assert torch.equal(have.view(-1).view(torch.uint8), want.contiguous().view(-1).view(torch.uint8))
-    for b in buckets:
-        single_oversized = len(b.meta.tensors) == 1
-        assert b.nbytes <= max_bytes or single_oversized
-        assert all(t.offset % b.meta.alignment == 0 for t in b.meta.tensors)
-        assert (b.path is not None) == (shm_dir is True and os.access("/dev/shm", os.W_OK))
-    if max_bytes == 64:
-        big = [b for b in buckets if b.nbytes > 64]
-        assert big and all(len(b.meta.tensors) == 1 for b in big)
-    if max_bytes == 1 << 20:
-        assert len(buckets) == 1
+    metas = weights.layout_of(named)
+    flat = torch.empty(weights.flat_size(metas), dtype=torch.uint8)
+    weights.fill_flat(flat, named, metas)
+    back = weights.unflatten(flat, metas)
+    assert [n for n, _ in back] == [n for n, _ in named]
+    for (_, want), (_, got) in zip(named, back, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
-def test_unpacked_tensors_are_views_of_the_bucket() -> None:
-    (bucket,) = weights.pack_buckets(_mixed(), max_bytes=1 << 20, shm_dir=None)
-    base = bucket.buffer.data_ptr()
-    views = dict(weights.unpack(bucket))
-    for m in bucket.meta.tensors:
-        if m.nbytes:
-            assert views[m.name].data_ptr() == base + m.offset
-    bucket.buffer.zero_()
-    assert float(views["a.weight"].abs().sum()) == 0.0
-
-
-def test_bytes_and_shm_transport_round_trip(tmp_path) -> None:
-    named = _mixed()
-    (bucket,) = weights.pack_buckets(named, max_bytes=1 << 20, shm_dir=str(tmp_path))
-    assert bucket.path is not None and os.path.getsize(bucket.path) == bucket.nbytes
-    meta = BucketMeta.model_validate_json(bucket.meta.model_dump_json())
-    from_file = weights.read_shm(bucket.path, meta)
-    from_raw = weights.from_bytes(bytes(weights.to_bytes(bucket)), meta)
-    for other in (from_file, from_raw):
-        for (name, want), (name2, have) in zip(named, weights.unpack(other), strict=True):
-            assert name == name2 and torch.equal(have, want)
-    path = bucket.path
-    del bucket, from_file
-    import gc
-
-    gc.collect()
-    assert not os.path.exists(path), "the producer's shm file goes away with its bucket"
-
-
-def test_inconsistent_metadata_is_refused() -> None:
-    (bucket,) = weights.pack_buckets([("w", torch.ones(4))], max_bytes=1024, shm_dir=None)
-    too_far = BucketMeta(total_bytes=16, tensors=[TensorMeta(name="w", dtype="float32", shape=[4], offset=8,
-                                                             nbytes=16)])
-    with pytest.raises(ValueError, match="exceed"):
-        weights.unpack_buffer(bucket.buffer, too_far)
-    wrong_size = BucketMeta(total_bytes=16, tensors=[TensorMeta(name="w", dtype="float32", shape=[3], offset=0,
-                                                                nbytes=16)])
-    with pytest.raises(ValueError, match="nbytes"):
-        weights.unpack_buffer(bucket.buffer, wrong_size)
-    with pytest.raises(ValueError, match="meta says"):
-        weights.from_bytes(b"\0" * 15, bucket.meta)
+def test_unflatten_refuses_layouts_outside_the_buffer():
+    named = [("w", torch.ones(4))]
+    metas = weights.layout_of(named)
+    flat = torch.zeros(weights.flat_size(metas), dtype=torch.uint8)
+    bad = [weights.FlatMeta(name="w", shape=(8,), dtype=torch.float32, start_idx=0, end_idx=32)]
+    with pytest.raises(ValueError, match="inside a 16-byte bucket"):
+        weights.unflatten(flat, bad)
+    wrong = [weights.FlatMeta(name="w", shape=(4,), dtype=torch.float32, start_idx=0, end_idx=12)]
     with pytest.raises(ValueError):
-        TensorMeta(name="w", dtype="complex128", shape=[1], offset=0, nbytes=16)
+        weights.unflatten(flat, wrong)
+    with pytest.raises(ValueError):
+        weights.unflatten(torch.zeros(4), metas)
 
 
-def test_pack_copies_once_into_a_preallocated_buffer() -> None:
-    """Packing is a single pass over the sources: the buffer is allocated once and filled in place."""
-    src = torch.randn(1 << 18)
-    (bucket,) = weights.pack_buckets([("x", src)], max_bytes=1 << 22, shm_dir=None)
-    assert bucket.buffer.numel() == src.numel() * 4
-    src.add_(1.0)  # the bucket owns a copy, not a view of the source
-    assert not torch.equal(dict(weights.unpack(bucket))["x"], src)
+def test_group_by_bytes_streams_and_keeps_big_tensors_alone():
+    sizes = [40, 40, 200, 8, 8]
+    groups = list(weights.group_by_bytes(((f"t{i}", torch.zeros(n // 4)) for i, n in enumerate(sizes)), 100))
+    assert [[n for n, _ in g] for g in groups] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+    with pytest.raises(ValueError):
+        list(weights.group_by_bytes(iter(()), 0))
 
 
-def test_local_host_detection() -> None:
-    assert weights.is_local_host("127.0.0.1") and weights.is_local_host("localhost")
-    assert not weights.is_local_host("192.0.2.1")  # TEST-NET-1: never assigned to this machine
-    assert not weights.is_local_host("no-such-host.invalid")
+def test_payload_travels_by_shared_memory_to_another_process(tmp_path):
+    """The CPU payload names a shared-memory file: an unrelated process maps it (no bytes in the body)
+    and reads exactly the tensors, through the receiver's allow-listed unpickler."""
+    named = _mixed()
+    payload = weights.serialize_flattened_bucket(named)
+    assert len(payload) < 4096  # the body holds names and metadata, not the tensors' bytes
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from slime_server import weights
+        named = weights.payload_tensors(weights.load_payload(sys.stdin.read()), "flattened_bucket")
+        torch.save({{n: t.clone() for n, t in named}}, {str(tmp_path / "got.pt")!r})
+    """)
+    subprocess.run([sys.executable, "-c", script], input=payload, text=True, check=True, timeout=60)
+    got = torch.load(tmp_path / "got.pt")
+    assert list(got) == [n for n, _ in named]
+    assert all(torch.equal(got[n], t) for n, t in named)
+
+
+def test_receiver_refuses_code_in_a_payload(tmp_path):
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with pytest.raises(ValueError, match="not allowed"):
+        weights.load_payload(base64.b64encode(pickle.dumps(Evil())).decode())
+    assert not marker.exists()
+    with pytest.raises(ValueError):
+        weights.load_payload("%%%")
+    with pytest.raises(ValueError):
+        weights.payload_tensors({"flattened_tensor": torch.zeros(4, dtype=torch.uint8)}, "flattened_bucket")
+    with pytest.raises(ValueError):
+        weights.payload_tensors([("x", 3)], None)
+
+
+def test_unnamed_list_payload_is_accepted():
+    """SGLang's default format (no load_format): a list of (name, tensor) pairs."""
+    obj = weights.load_payload(weights.serialize([("x", torch.arange(4.0))]))
+    (name, t), = weights.payload_tensors(obj, None)
+    assert name == "x" and torch.equal(t, torch.arange(4.0))
+
+
+def test_local_host_detection():
+    assert is_local_host("127.0.0.1") and is_local_host("localhost")
+    assert not is_local_host("192.0.2.1")  # TEST-NET-1: never assigned to this machine
+    assert not is_local_host("no-such-host.invalid")
+
+
+_RECEIVER = textwrap.dedent("""
+    import sys, time, torch
+    from slime_server import weights
+    port, n = int(sys.argv[1]), int(sys.argv[2])
+    pg = weights.open_weight_group("127.0.0.1", port, 2, 1, "big", "gloo", timeout_s=120)
+    buf = torch.empty(n, dtype=torch.uint8)
+    torch.distributed.broadcast(buf, src=0, group=pg)
+    g = torch.Generator().manual_seed(7)
+    want = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    print("OK" if torch.equal(buf, want) else "MISMATCH", flush=True)
+""")
+
+
+def test_gloo_broadcast_moves_a_200mb_model_between_processes():
+    """Rank 0 here, rank 1 in another process, joined by SGLang's rendezvous; 256 MiB arrive intact."""
+    n = 256 * 2**20
+    port = find_free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(port), str(n)], stdout=subprocess.PIPE, text=True)
+    try:
+        pg = weights.open_weight_group("127.0.0.1", port, 2, 0, "big", "gloo", timeout_s=120)
+        g = torch.Generator().manual_seed(7)
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        t0 = time.perf_counter()
+        torch.distributed.broadcast(data, src=0, group=pg)
+        elapsed = time.perf_counter() - t0
+        out, _ = proc.communicate(timeout=120)
+        weights.close_weight_group(pg)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.strip() == "OK", out
+    print(f"256 MiB gloo broadcast: {elapsed:.2f} s ({n / elapsed / 1e9:.2f} GB/s)")
+
+
+def test_unaligned_tensors_start_a_new_bucket():
+    """SGLang refuses a tensor whose byte offset is not a multiple of its element size: an odd-sized
+    bf16 tensor followed by fp32 goes into two buckets, and such a layout is refused outright."""
+    named = [("odd", torch.zeros(3, dtype=torch.bfloat16)), ("f32", torch.zeros(2)), ("f32b", torch.zeros(2))]
+    groups = list(weights.group_by_bytes(iter(named), 1 << 20))
+    assert [[n for n, _ in g] for g in groups] == [["odd"], ["f32", "f32b"]]
+    for g in groups:
+        weights.layout_of(g)
+    with pytest.raises(ValueError, match="not aligned"):
+        weights.layout_of(named)

@@ -3,7 +3,7 @@
 1. Tokens/s at concurrency 1, 4, 16 through the router with 2 engines and with 1 (the second one
    deregistered from the router at run time), interleaved in one run so the ratios compare like with like.
 2. Weight push: pack the served model's tensors into buckets (slime_server.weights), push them to one
-   engine through ``/update_weights_from_bucket`` (shared-memory path), and compare with a plain memcpy
+   engine through SGLang's ``/update_weights_from_tensor`` (shared-memory path), and compare with a plain memcpy
    of the same number of bytes.
 
     python tools/bench_engine.py [--model tiny] [--requests-per-level 16] [--max-new-tokens 32] [--json out]
@@ -101,30 +101,21 @@ def bench_throughput(dep: Deployment, levels: list[int], n_requests: int, prompt
 
 
 def bench_push(engine_url: str, model_path: str, bucket_bytes: int, repeats: int = 3) -> PushResult:
-    """Push the model's own weights back to a live engine in buckets; compare with memcpy (best of N)."""
+    """Push the model's own weights back to a live engine through SGLang's tensor route (the trainer's
+    ``WeightPusher``, same-host shared memory); compare with memcpy of the same bytes (best of N)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from slime_server import weights
+    from slime_server.trainer.weight_push import WeightPusher
 
     named = list(AutoModelForCausalLM.from_pretrained(model_path).state_dict().items())
     total = sum(t.numel() * t.element_size() for _, t in named)
     pack_s = push_s = float("inf")
-    with httpx.Client(timeout=600) as client:
+    buckets = 0
+    with WeightPusher([engine_url], bucket_bytes=bucket_bytes, mode="tensor", sender=True) as pusher:
         for rep in range(repeats):
-            t0 = time.perf_counter()
-            buckets = list(weights.pack_buckets(named, max_bytes=bucket_bytes))
-            pack_s = min(pack_s, time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for i, bucket in enumerate(buckets):
-                answer = weights.push_bucket(client, engine_url, bucket, weight_version=f"bench-{rep}",
-                                             last=i == len(buckets) - 1)
-                if not answer.get("success", False):
-                    raise RuntimeError(f"engine refused bucket {i}: {answer}")
-            push_s = min(push_s, time.perf_counter() - t0)
-        version = client.get(f"{engine_url}/get_weight_version").json()["weight_version"]
-        if version != f"bench-{repeats - 1}":
-            raise RuntimeError(f"engine reports weight_version {version!r} after the push")
+            stats = pusher.push(iter(named), version=f"bench-{rep}")
+            pack_s, push_s, buckets = min(pack_s, stats.pack_seconds), min(push_s, stats.seconds), stats.buckets
     src = torch.randint(0, 255, (total,), dtype=torch.uint8)
     dst = torch.empty_like(src)
     memcpy_s = float("inf")
@@ -132,7 +123,7 @@ def bench_push(engine_url: str, model_path: str, bucket_bytes: int, repeats: int
         t0 = time.perf_counter()
         dst.copy_(src)
         memcpy_s = min(memcpy_s, time.perf_counter() - t0)
-    return PushResult(total_bytes=total, buckets=len(buckets), pack_s=pack_s, push_s=push_s, memcpy_s=memcpy_s)
+    return PushResult(total_bytes=total, buckets=buckets, pack_s=pack_s, push_s=push_s, memcpy_s=memcpy_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,16 +82,25 @@ class Gateway:
     async def generate(self, session_id: str, rid: str, input_ids: list[int], params: dict[str, Any],
                        **kw: Any) -> list[Any]:
         """Engine call for a recorded turn: abortable per session, engine-side aborts continued."""
-        from slime_server.api.partial import generate_continuing
+        from slime_server.api.partial import generate_continuing, sample_rids
 
-        rid_or_none = rid if int(params.get("n", 1)) == 1 else None  # SGLang takes one rid per sample
-        self.inflight.add(session_id, rid)
+        # Every engine rid of this call is registered with the session before it is sent: the request's
+        # own, its samples' (SGLang names them {rid}_{i} when n > 1) and each continuation's.
+        registered = list(dict.fromkeys([rid, *sample_rids(rid, int(params.get("n", 1)))]))
+        for r in registered:
+            self.inflight.add(session_id, r)
+
+        def register(sub_rid: str) -> None:
+            registered.append(sub_rid)
+            self.inflight.add(session_id, sub_rid)
+
         try:
             outs, continued = await generate_continuing(
-                self.engine.generate, input_ids, params, rid=rid_or_none, aborted_by_us=self.inflight.aborted,
-                max_continuations=self.settings.max_continuations, **kw)
+                self.engine.generate, input_ids, params, rid=rid, aborted_by_us=self.inflight.aborted,
+                max_continuations=self.settings.max_continuations, register=register, **kw)
         finally:
-            self.inflight.done(session_id, rid)
+            for r in registered:
+                self.inflight.done(session_id, r)
         if continued:
             PARTIAL_CONTINUATIONS.inc(continued)
         return outs

@@ -27,6 +27,7 @@ from slime_server.api.app import Gateway, get_gateway
 from slime_server.api.errors import APIError
 from slime_server.api.protocol import ErrorResponse
 from slime_server.api.routes_jobs import Admin
+from slime_server.rollout.engine_info import engine_weight_version_async
 
 STATIC = Path(str(resources.files("slime_server.api") / "dashboard_static"))
 PROBE_TIMEOUT_S = 2.0  # a stuck engine must not stall the page's 2 s poll for long
@@ -75,7 +76,8 @@ class EnginesView(BaseModel):
 
 
 async def _probe(http: httpx.AsyncClient, url: str, router_healthy: bool | None, router_load: int | None) -> EngineInfo:
-    """One engine's /health, /get_load and /get_weight_version (SGLang's routes; each may be missing)."""
+    """One engine's /health, /get_load and the weight version of /model_info (SGLang's routes; each may be
+    missing)."""
     info = EngineInfo(url=url, router_healthy=router_healthy, router_load=router_load, healthy=False)
     try:
         info.healthy = (await http.get(f"{url}/health", timeout=PROBE_TIMEOUT_S)).status_code == 200
@@ -90,9 +92,7 @@ async def _probe(http: httpx.AsyncClient, url: str, router_healthy: bool | None,
             total = sum(int(x.get("num_reqs", 0)) for x in ranks)
             info.waiting_reqs = sum(int(x.get("num_waiting_reqs", 0)) for x in ranks)
             info.running_reqs = max(0, total - info.waiting_reqs)
-        r = await http.get(f"{url}/get_weight_version", timeout=PROBE_TIMEOUT_S)
-        if r.status_code == 200:
-            info.weight_version = str(r.json().get("weight_version"))
+        info.weight_version = await engine_weight_version_async(http, url, timeout=PROBE_TIMEOUT_S)
     except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
         info.error = f"load: {type(e).__name__}"
     return info

@@ -120,7 +120,7 @@ def sampling_params(gw: Gateway, *, prompt_len: int, max_tokens: int | None, tem
         top_p = max(top_p, MIN_TOP_P)  # top_p <= 1/vocab keeps only the top token: this changes no sample
     if top_k == 0:  # "disabled" in our docs; SGLang accepts only -1 for that
         top_k = -1
-    for key, value in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("seed", seed),
+    for key, value in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("sampling_seed", seed),
                        ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
         if value is not None:
             params[key] = value
@@ -176,7 +176,7 @@ def token_logprobs(gw: Gateway, out: GenerateOutput, start: int = 0) -> list[Tok
 def outcome(out: GenerateOutput, index: int, message: ResponseMessage) -> recording.ChoiceOutcome:
     mi = out.meta_info
     logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in (mi.output_token_logprobs or [])]
-    versions = mi.output_token_weight_versions or mi.weight_version
+    versions = mi.token_versions(len(out.output_ids))
     return recording.ChoiceOutcome(index=index, output_ids=list(out.output_ids), output_logprobs=logprobs,
                                    weight_version=versions,
                                    finish_reason=mi.finish_reason.type if mi.finish_reason else "abort",

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from slime_server.rollout.protocol import GenerateOutput
+from slime_server.rollout.protocol import GenerateOutput, WeightVersionSpan, version_spans
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,12 @@ def _is_abort(out: GenerateOutput) -> bool:
     return fr is not None and fr.type == "abort"
 
 
-def _versions(out: GenerateOutput) -> list[str]:
-    mi = out.meta_info
-    if mi.output_token_weight_versions is not None:
-        return list(mi.output_token_weight_versions)
-    return [str(mi.weight_version)] * len(out.output_ids)
+def _spans(first: GenerateOutput, more: GenerateOutput) -> list[WeightVersionSpan]:
+    """SGLang's ``weight_versions`` of the spliced answer: both parts' per-token versions, run-length
+    encoded again (a run across the seam becomes one span)."""
+    versions = (first.meta_info.token_versions(len(first.output_ids))
+                + more.meta_info.token_versions(len(more.output_ids)))
+    return version_spans(versions, str(more.meta_info.weight_version))
 
 
 def splice(first: GenerateOutput, more: GenerateOutput) -> GenerateOutput:
@@ -101,7 +102,7 @@ def splice(first: GenerateOutput, more: GenerateOutput) -> GenerateOutput:
         if a.output_token_logprobs is not None or b.output_token_logprobs is not None else None,
         "output_top_logprobs": (a.output_top_logprobs or []) + (b.output_top_logprobs or [])
         if a.output_top_logprobs is not None or b.output_top_logprobs is not None else None,
-        "output_token_weight_versions": _versions(first) + _versions(more),
+        "weight_versions": _spans(first, more),
         "e2e_latency": (a.e2e_latency or 0.0) + (b.e2e_latency or 0.0) or None,
     })
     return GenerateOutput(text=first.text + more.text, output_ids=first.output_ids + more.output_ids,
@@ -111,24 +112,40 @@ def splice(first: GenerateOutput, more: GenerateOutput) -> GenerateOutput:
 Generate = Callable[..., Awaitable[list[GenerateOutput]]]
 
 
+def sample_rids(rid: str, n: int) -> list[str]:
+    """The engine rids of a request's samples: ``rid`` itself, or SGLang's ``{rid}_{i}`` when n > 1."""
+    return [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
+
+
 async def generate_continuing(generate: Generate, input_ids: list[int], sampling_params: dict[str, Any], *,
                               rid: str | None, aborted_by_us: Callable[[str], bool], max_continuations: int,
+                              register: Callable[[str], None] | None = None,
                               **kw: Any) -> tuple[list[GenerateOutput], int]:
-    """``generate`` and continue every output an engine aborted on its own; returns (outputs, continuations)."""
+    """``generate`` and continue every output an engine aborted on its own; returns (outputs, continuations).
+
+    A continuation's rid (``{sample rid}-cont{k}``) goes to ``register`` before it is sent, so a session
+    abort that arrives meanwhile reaches it too; an abort of ``rid`` stops every further continuation."""
     outs = await generate(input_ids, sampling_params, rid=rid, **kw)
     budget = sampling_params.get("max_new_tokens")
+    n = int(sampling_params.get("n", 1))
+    bases = sample_rids(rid, n) if rid else [None] * n
     continued = 0
     result = []
-    for out in outs:
+    for i, out in enumerate(outs):
         attempt = 0
         while (_is_abort(out) and attempt < max_continuations and not (rid and aborted_by_us(rid))
                and (budget is None or len(out.output_ids) < budget)):
             params = {**sampling_params, "n": 1}
             if budget is not None:
                 params["max_new_tokens"] = budget - len(out.output_ids)
-            if params.get("seed") is not None:  # a fresh but reproducible stream for the rest
-                params["seed"] = int(params["seed"]) + len(out.output_ids)
-            sub_rid = f"{rid}-cont{attempt}" if rid else None
+            if params.get("sampling_seed") is not None:  # a fresh but reproducible stream for the rest
+                params["sampling_seed"] = int(params["sampling_seed"]) + len(out.output_ids)
+            base = bases[i] if i < len(bases) else None
+            sub_rid = f"{base}-cont{attempt}" if base else None
+            if sub_rid is not None and register is not None:
+                register(sub_rid)
+                if rid and aborted_by_us(rid):  # the abort came while we registered: do not send
+                    break
             (more,) = (await generate(input_ids + out.output_ids, params, rid=sub_rid, **kw))[:1]
             out = splice(out, more)
             attempt += 1

@@ -73,8 +73,12 @@ class RunningServer:
 
 
 def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls: Any,
-                default_evals: list[tuple[str, str]] | None = None, eval_env: str | None = None) -> Any:
-    """A JobManager over the gateway's store (jobs in the same SQLite file), restored from it."""
+                default_evals: list[tuple[str, str]] | None = None, eval_env: str | None = None,
+                push_guard: Any = None) -> Any:
+    """A JobManager over the gateway's store (jobs in the same SQLite file), restored from it.
+
+    ``push_guard`` (``EngineSupervisor.updating_weights``) is entered by every job's loop around its weight
+    pushes, so engines paused for an update are not judged unhealthy."""
     from slime_server.buffer.open import open_job_store
     from slime_server.jobs import JobManager, JobSpec
     from slime_server.launch import start_trainer_group
@@ -87,13 +91,15 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
                                    temperature=temperature,
                                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch)
 
-    def colocated(loop: Any) -> None:
+    def configure_loop(loop: Any) -> None:
+        if push_guard is not None:
+            loop.push_guard = push_guard
         if tr.colocate:  # the ranks share the engines' devices: never generate while they step
             loop.settings = loop.settings.model_copy(update={"sync": True})
 
     host = "127.0.0.1" if gw.settings.host in ("0.0.0.0", "::") else gw.settings.host
     jobs = JobManager(gw.store, open_job_store(gw.settings.db_path), make_trainer, engine_urls, tr.work_dir,
-                      served_model=gw.model_name, loop_hook=colocated,
+                      served_model=gw.model_name, loop_hook=configure_loop,
                       gateway_url=f"http://{host}:{gw.settings.port}/v1", api_key=gw.settings.api_key,
                       default_evals=default_evals or [], default_eval_env=eval_env)
     gw.jobs = jobs
@@ -156,7 +162,8 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
         app = build_gateway(dep.router_url, model_path, gw_settings)
         supervisor = EngineSupervisor(lambda: dep.engine_urls, dep.router)
         if trainer:  # weights go to the engines in rotation; a restarted one is caught up on its own
-            jobs = attach_jobs(app.state.gw, settings, model_path, supervisor.serving_urls, default_evals, eval_env)
+            jobs = attach_jobs(app.state.gw, settings, model_path, supervisor.serving_urls, default_evals, eval_env,
+                               push_guard=supervisor.updating_weights)
             supervisor.catch_up = jobs.catch_up_engine
         supervisor.start()
         if online is not None:

@@ -26,10 +26,13 @@ Stop tokens: as SGLang, an EOS / ``stop_token_ids`` match is appended to ``outpu
 ``output_ids`` and the text is cut before it. ``ignore_eos`` disables both EOS and ``stop_token_ids``
 (SGLang checks them together); the length limit wins when both apply on the same token.
 
-Weight updates: buckets are staged (views, no copy) and, on commit, copied into the live parameters
-by the scheduler thread between two decode steps, so the switch is atomic for every request. Requests
-in flight keep their KV cache and continue on the new weights; the version of every output token is
-recorded (``output_token_weight_versions``).
+Weight updates (SGLang's semantics): each update request's tensors are copied into the live parameters
+by the scheduler thread between two decode steps, so one request's tensors switch atomically; a
+``weight_version`` given with it becomes the engine's version after the copy. A multi-bucket update is
+consistent only while generation is paused, which is how the trainer drives it (``/pause_generation``
+with ``retract``: running requests go back to the queue without their KV and are recomputed on the new
+weights after ``/continue_generation``; ``in_place`` keeps their KV; ``abort`` ends them). The version
+of every output token is recorded and reported as SGLang's ``weight_versions`` spans.
 """
 
 from __future__ import annotations
@@ -48,8 +51,14 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, Field
 
-from slime_server.rollout.protocol import FinishReason, GenerateOutput, LogprobEntry, MetaInfo, SamplingParams
-from slime_server.weights import Bucket, unpack
+from slime_server.rollout.protocol import (
+    FinishReason,
+    GenerateOutput,
+    LogprobEntry,
+    MetaInfo,
+    SamplingParams,
+    version_spans,
+)
 
 log = logging.getLogger(__name__)
 KV_INITIAL_HEADROOM = 256  # output tokens' K/V space allocated at prefill; long generations grow it
@@ -69,6 +78,11 @@ class EngineConfig(BaseModel):
 
 class BadRequest(ValueError):
     """Input the engine refuses (the server maps it to HTTP 400)."""
+
+
+class FlushRefused(RuntimeError):
+    """Weights were loaded but ``flush_cache`` was refused: requests were running or queued (SGLang
+    0.5.23 then fails the update call and keeps the old ``weight_version``)."""
 
 
 @dataclass(eq=False)
@@ -127,10 +141,10 @@ class CPUEngine:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._paused = False
-        self._commit: tuple[str, threading.Event, list[BaseException]] | None = None
-        self._staged: dict[str, torch.Tensor] = {}
-        self._staged_keep: list[Bucket] = []
-        self._stage_lock = threading.Lock()
+        self._commit: _Commit | None = None
+        self._update_lock = threading.Lock()  # one weight update at a time, in arrival order
+        self._pause_req: tuple[str, threading.Event] | None = None
+        self.last_progress = 0.0  # monotonic time of the last prefill or decode step (health probes)
         self._stop = False
         self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0, "finished": 0}
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
@@ -182,7 +196,7 @@ class CPUEngine:
         and once at the end; ``seq.done`` is set when it finishes."""
         self.validate(seq.prompt_ids, seq.params, seq.top_logprobs_num, seq.logprob_start_len)
         if seq.generator is None:
-            seed = seq.params.seed if seq.params.seed is not None else self._rng.getrandbits(63)
+            seed = seq.params.sampling_seed if seq.params.sampling_seed is not None else self._rng.getrandbits(63)
             seq.generator = torch.Generator().manual_seed(seed)
         with self._cv:
             self._waiting.append(seq)
@@ -191,13 +205,15 @@ class CPUEngine:
 
     def new_sequences(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                       **kw) -> list[Sequence]:
-        """The ``n`` sequences of one prompt; sample i uses seed ``seed + i`` when a seed is given."""
+        """The ``n`` sequences of one prompt; sample i uses seed ``sampling_seed + i`` when one is given, and
+        rid ``{rid}_{i}`` when n > 1 (SGLang's names for parallel samples; each is aborted by its own rid)."""
         base = rid or uuid.uuid4().hex
         params = self.resolve(prompt_ids, params)
         out = []
         for i in range(params.n):
-            p = params if params.seed is None else params.model_copy(update={"seed": params.seed + i})
-            out.append(Sequence(rid=base if params.n == 1 else f"{base}-{i}", prompt_ids=list(prompt_ids),
+            p = params if params.sampling_seed is None else params.model_copy(
+                update={"sampling_seed": params.sampling_seed + i})
+            out.append(Sequence(rid=base if params.n == 1 else f"{base}_{i}", prompt_ids=list(prompt_ids),
                                 params=p, **kw))
         return out
 
@@ -213,11 +229,11 @@ class CPUEngine:
         return [self.result(s) for s in seqs]
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
-        """Abort matching requests (rid equal or rid-prefix of an n>1 group); returns how many."""
+        """Abort the request with this rid (exactly, as SGLang), or all; returns how many."""
         count = 0
         with self._cv:
             for s in itertools.chain(self._waiting, self._running):
-                if abort_all or s.rid == rid or s.rid.startswith(f"{rid}-"):
+                if abort_all or s.rid == rid:
                     s.abort_requested = True
                     count += 1
             self._cv.notify_all()
@@ -231,13 +247,34 @@ class CPUEngine:
                     s.abort_requested = True
             self._cv.notify_all()
 
-    def pause(self, abort_running: bool) -> None:
-        with self._cv:
-            self._paused = True
-        if abort_running:
+    def pause(self, mode: str = "abort") -> None:
+        """SGLang's pause modes: ``abort`` ends every request, ``retract`` puts running requests back in
+        the queue without their KV (recomputed on resume), ``in_place`` freezes them as they are."""
+        if mode == "abort":
             self.abort(abort_all=True)
-            with self._cv:
-                self._cv.notify_all()
+        done = threading.Event()
+        with self._cv:  # applied by the scheduler thread between two steps (a step may be running now)
+            self._pause_req = (mode, done)
+            self._cv.notify_all()
+        done.wait(600)
+
+    def _apply_pause(self) -> None:
+        assert self._pause_req is not None
+        mode, done = self._pause_req
+        self._paused = True
+        if mode == "retract":
+            for s in reversed(self._running):
+                if s.finish is None:
+                    s.kv, s.kv_len = [], 0
+                    self._waiting.appendleft(s)
+            self._running = []
+        self._pause_req = None
+        done.set()
+
+    def flush_cache(self) -> bool:
+        """SGLang's rule: flushing needs an idle engine (waiting requests are ignored while paused)."""
+        with self._cv:
+            return not self._running and (self._paused or not self._waiting)
 
     def resume(self) -> None:
         with self._cv:
@@ -259,16 +296,7 @@ class CPUEngine:
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------ weights
-    def stage_bucket(self, bucket: Bucket) -> int:
-        """Validate a bucket against the model and stage views of it; returns tensors staged."""
-        named = unpack(bucket)
-        self._check_loadable(named)
-        with self._stage_lock:
-            self._staged.update(named)
-            self._staged_keep.append(bucket)
-        return len(named)
-
-    def _check_loadable(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def check_loadable(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Every tensor must name a model tensor with the same shape (dtype may differ if both float)."""
         for name, t in named:
             p = self._params.get(name)
@@ -279,35 +307,30 @@ class CPUEngine:
             if not (t.dtype.is_floating_point and p.dtype.is_floating_point) and t.dtype != p.dtype:
                 raise BadRequest(f"{name}: dtype {t.dtype} cannot be loaded into {p.dtype}")
 
-    def staged_names(self) -> list[str]:
-        with self._stage_lock:
-            return list(self._staged)
+    def param_spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        p = self._params.get(name)
+        return None if p is None else (p.dtype, tuple(p.shape))
 
-    def discard_staged(self) -> None:
-        with self._stage_lock:
-            self._staged.clear()
-            self._staged_keep.clear()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]], version: str | int | None,
+                     flush: bool = False, timeout: float = 600) -> int:
+        """Copy ``named`` into the live parameters between two decode steps (all or nothing), then take
+        ``version`` if given; returns the number of tensors loaded. Raises BadRequest before touching
+        anything when a tensor does not fit the model, FlushRefused (after loading, version unchanged)
+        when ``flush`` is asked while requests run or wait unpaused."""
+        self.check_loadable(named)
+        commit = _Commit(named=named, version=None if version is None else str(version), flush=flush)
+        with self._update_lock:
+            with self._cv:
+                self._commit = commit
+                self._cv.notify_all()
+            if not commit.done.wait(timeout):
+                raise TimeoutError("the weight update did not run in time")
+        if commit.error is not None:
+            raise commit.error
+        return len(named)
 
-    def commit_weights(self, version: str | int | None, timeout: float = 600) -> int:
-        """Switch to the staged tensors atomically between two decode steps; returns tensors loaded."""
-        with self._stage_lock:
-            n = len(self._staged)
-        done = threading.Event()
-        errors: list[BaseException] = []
-        new_version = self.weight_version if version is None else str(version)
-        with self._cv:
-            while self._commit is not None:
-                self._cv.wait()
-            self._commit = (new_version, done, errors)
-            self._cv.notify_all()
-        if not done.wait(timeout):
-            raise TimeoutError("weight commit did not run in time")
-        if errors:
-            raise errors[0]
-        return n
-
-    def load_weights_from_disk(self, model_path: str, version: str | None) -> int:
-        """Load a HF checkpoint's tensors (safetensors) through the same staging path."""
+    def load_weights_from_disk(self, model_path: str, version: str | None, flush: bool = False) -> int:
+        """Load a HF checkpoint's tensors (safetensors) through the same path."""
         from safetensors.torch import load_file
 
         files = sorted(Path(model_path).glob("*.safetensors"))
@@ -316,38 +339,39 @@ class CPUEngine:
         named: dict[str, torch.Tensor] = {}
         for f in files:
             named.update(load_file(str(f)))
-        self._check_loadable(list(named.items()))
-        with self._stage_lock:
-            self._staged.update(named)
-        return self.commit_weights(version)
+        return self.load_weights(list(named.items()), version, flush=flush)
 
     def _apply_commit(self) -> None:
-        assert self._commit is not None
-        version, done, errors = self._commit
+        commit = self._commit
+        assert commit is not None
         try:
-            with self._stage_lock, torch.no_grad():
-                for name, t in self._staged.items():
+            with torch.no_grad():
+                for name, t in commit.named:
                     self._params[name].copy_(t)
-                self._staged.clear()
-                self._staged_keep.clear()
-            self.weight_version = version
-        except BaseException as e:  # report to the committer; keep serving
-            errors.append(e)
+            if commit.flush and not (not self._running and (self._paused or not self._waiting)):
+                commit.error = FlushRefused("requests are running or queued")
+            elif commit.version is not None:
+                self.weight_version = commit.version
+        except BaseException as e:  # report to the caller; keep serving
+            commit.error = e
         finally:
             self._commit = None
-            done.set()
+            commit.done.set()
 
     # ------------------------------------------------------------------ scheduler
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and self._commit is None and not self._has_work():
+                while (not self._stop and self._commit is None and self._pause_req is None
+                       and not self._has_work()):
                     self._cv.wait()
                 if self._stop:
                     break
                 if self._commit is not None:
                     self._apply_commit()
                     self._cv.notify_all()
+                if self._pause_req is not None:
+                    self._apply_pause()
                 self._reap_aborted()
                 admitted = self._admit()
                 running = list(self._running) if not self._paused else []
@@ -396,13 +420,14 @@ class CPUEngine:
     def _prefill(self, seq: Sequence) -> None:
         from transformers import DynamicCache
 
-        ids = torch.tensor([seq.prompt_ids])
-        want_input = seq.return_logprob and seq.logprob_start_len >= 0
+        resumed = bool(seq.output_ids)  # retracted by a pause: recompute its KV, sample nothing here
+        ids = torch.tensor([seq.prompt_ids + seq.output_ids[:-1]])
+        want_input = seq.return_logprob and seq.logprob_start_len >= 0 and not resumed
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
                          logits_to_keep=0 if want_input else 1)
         logits = out.logits[0].float()
-        n_prompt = len(seq.prompt_ids)
+        n_prompt = ids.shape[1]
         cap = min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM)  # grows by doubling (_ensure_room)
         seq.kv = []
         for layer in cache.layers:
@@ -414,6 +439,9 @@ class CPUEngine:
             seq.kv.append((kb, vb))
         seq.kv_len = n_prompt
         self.stats["prefill_tokens"] += n_prompt
+        self.last_progress = time.monotonic()
+        if resumed:
+            return
         if want_input:
             self._input_logprobs(seq, logits)
         if seq.params.max_new_tokens == 0:
@@ -467,6 +495,7 @@ class CPUEngine:
         for s in batch:
             s.kv_len += 1
         self.stats["decode_steps"] += 1
+        self.last_progress = time.monotonic()
         logits = out.logits[:, -1].float()
         for b, s in enumerate(batch):
             self._sample_and_append(s, logits[b])
@@ -512,6 +541,7 @@ class CPUEngine:
         """SGLang-shaped output of ``seq`` so far (cumulative; final once ``seq.finish`` is set)."""
         p, f = seq.params, seq.finish
         ids = list(seq.output_ids)
+        spans = version_spans(seq.output_versions[:len(ids)], self.weight_version)
         text_ids = ids
         if f is not None and f.type == "stop" and isinstance(f.matched, int) and not p.no_stop_trim:
             text_ids = ids[:-1]
@@ -521,9 +551,8 @@ class CPUEngine:
             text = text[:cut] if cut >= 0 else text
         meta = MetaInfo(
             id=seq.rid, finish_reason=f, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(ids),
-            cached_tokens=0, weight_version=self.weight_version,
+            cached_tokens=0, weight_version=spans[-1].version, weight_versions=spans,
             e2e_latency=None if seq.finished_at is None else seq.finished_at - seq.created,  # final only
-            output_token_weight_versions=list(seq.output_versions),
         )
         if seq.return_logprob:
             named = self._with_text if seq.logprob_text else _same
@@ -542,6 +571,17 @@ class CPUEngine:
         texts = self.tokenizer.convert_ids_to_tokens([t for _, t, _ in entries])
         return [(lp, t, self.tokenizer.convert_tokens_to_string([s])) for (lp, t, _), s in
                 zip(entries, texts, strict=True)]
+
+
+@dataclass(eq=False)
+class _Commit:
+    """One weight update handed to the scheduler thread."""
+
+    named: list[tuple[str, torch.Tensor]]
+    version: str | None
+    flush: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 def _ensure_room(seq: Sequence) -> None:

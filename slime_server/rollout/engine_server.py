@@ -25,17 +25,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig, Sequence
+from slime_server.rollout.engine_weights import add_weight_routes
 from slime_server.rollout.protocol import (
     AbortReq,
     ErrorBody,
     GenerateOutput,
     GenerateReqInput,
-    PauseGenerationReq,
+    PauseGenerationReqInput,
     SamplingParams,
-    UpdateWeightsFromDiskReq,
-    UpdateWeightsResult,
 )
-from slime_server.weights import META_HEADER, BucketMeta, BucketUpdateReq, from_bytes, read_shm
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -107,7 +105,7 @@ class GenerateHandler:
         tops = _per_item(req.top_logprobs_num, n, "top_logprobs_num")
         starts = _per_item(req.logprob_start_len, n, "logprob_start_len")
         if batch and req.rid is not None and not isinstance(req.rid, list):
-            rids = [f"{req.rid}-{i}" for i in range(n)]
+            rids = [f"{req.rid}_{i}" for i in range(n)]  # SGLang's names for a batch under one rid
         seqs: list[Sequence] = []
         for i, prompt in enumerate(prompts):
             self.engine.validate(prompt, params[i], tops[i], starts[i])
@@ -168,7 +166,8 @@ class GenerateHandler:
             self.engine.cancel(seqs)
 
 
-def create_app(engine: CPUEngine, served_model_name: str | None = None) -> FastAPI:
+def create_app(engine: CPUEngine, served_model_name: str | None = None,
+               health_timeout_s: float = HEALTH_GENERATE_TIMEOUT_S) -> FastAPI:
     """The FastAPI app around ``engine`` (the caller owns the engine's lifetime)."""
     app = FastAPI(title="slime-server CPU engine (SGLang protocol)")
     handler = GenerateHandler(engine)
@@ -188,15 +187,18 @@ def create_app(engine: CPUEngine, served_model_name: str | None = None) -> FastA
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if engine.paused:
-            return Response(status_code=200)
-        probe = SamplingParams(max_new_tokens=1, temperature=0.0)
-        try:
-            await asyncio.to_thread(engine.generate, [0], probe, HEALTH_GENERATE_TIMEOUT_S,
-                                    rid=f"health-{time.monotonic_ns()}")
-        except TimeoutError:
-            return error_response("the engine did not generate a token in time", status=503)
-        return Response(status_code=200)
+        """SGLang's rule: healthy once the scheduler makes any progress within the timeout (a busy engine
+        needs no probe of its own); a paused engine makes none, so it answers 503 after the timeout."""
+        tic = time.monotonic()
+        if not engine.paused and engine.load()["num_running_reqs"] == 0:
+            probe = SamplingParams(max_new_tokens=1, temperature=0.0)
+            seq = engine.new_sequences([0], probe, rid=f"health-{time.monotonic_ns()}")[0]
+            engine.submit(seq)
+        while time.monotonic() < tic + health_timeout_s:
+            if engine.last_progress > tic:
+                return Response(status_code=200)
+            await asyncio.sleep(0.05)
+        return error_response("the engine made no progress in time", status=503)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -229,10 +231,14 @@ def create_app(engine: CPUEngine, served_model_name: str | None = None) -> FastA
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        return PlainTextResponse("Cache flushed (the CPU engine keeps no prefix cache).\n")
+        if not engine.flush_cache():  # SGLang's rule and answer when requests are running or queued
+            return PlainTextResponse("Flush cache failed.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are "
+                                 "running or waiting requests, the operation will not be performed.)\n")
 
     @app.api_route("/get_weight_version", methods=["GET", "POST"])
     async def get_weight_version() -> dict[str, str]:
+        """Alias kept for old clients (SGLang 0.5.15 deprecated it, 0.5.23 removed it): use /model_info."""
         return {"weight_version": engine.weight_version}
 
     @app.post("/abort_request")
@@ -240,13 +246,13 @@ def create_app(engine: CPUEngine, served_model_name: str | None = None) -> FastA
         req = await parse_body(request, AbortReq)
         if not req.rid and not req.abort_all:
             raise BadRequest("give 'rid' or 'abort_all': true")
-        engine.abort(req.rid, req.abort_all)
+        engine.abort(req.rid or "", req.abort_all)
         return Response(status_code=200)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> dict[str, str]:
-        req = await parse_body(request, PauseGenerationReq, allow_empty=True)
-        engine.pause(abort_running=req.mode == "abort")
+        req = await parse_body(request, PauseGenerationReqInput, allow_empty=True)
+        await asyncio.to_thread(engine.pause, req.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
@@ -254,57 +260,7 @@ def create_app(engine: CPUEngine, served_model_name: str | None = None) -> FastA
         engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> JSONResponse:
-        req = await parse_body(request, UpdateWeightsFromDiskReq)
-        if req.abort_all_requests:
-            engine.abort(abort_all=True)
-        try:
-            n = await asyncio.to_thread(engine.load_weights_from_disk, req.model_path, req.weight_version)
-        except (BadRequest, OSError, ValueError) as e:
-            engine.discard_staged()
-            res = UpdateWeightsResult(success=False, message=f"failed to load {req.model_path!r}: {e}")
-            return JSONResponse(res.model_dump(), status_code=400)
-        res = UpdateWeightsResult(success=True, message=f"Succeeded to update model weights ({n} tensors).",
-                                  weight_version=engine.weight_version)
-        return JSONResponse(res.model_dump())
-
-    @app.post("/update_weights_from_bucket")
-    async def update_weights_from_bucket(request: Request) -> JSONResponse:
-        ctype = request.headers.get("content-type", "")
-        try:
-            if ctype.startswith("application/octet-stream"):
-                meta_raw = request.headers.get(META_HEADER)
-                if not meta_raw:
-                    raise BadRequest(f"octet-stream bucket needs its metadata in the {META_HEADER} header")
-                try:
-                    meta = BucketMeta.model_validate_json(meta_raw)
-                except ValidationError as e:
-                    raise BadRequest(f"{META_HEADER}: {_validation_message(e)}") from None
-                version = request.headers.get("X-Weight-Version") or None
-                last = request.headers.get("X-Last", "0").lower() in ("1", "true", "yes")
-                bucket = from_bytes(await request.body(), meta)
-            else:
-                req = await parse_body(request, BucketUpdateReq)
-                version, last = req.weight_version, req.last
-                try:
-                    bucket = read_shm(req.path, req.meta)
-                except OSError as e:
-                    raise BadRequest(f"cannot open bucket file {req.path!r}: {e.strerror}") from None
-            staged = engine.stage_bucket(bucket)
-        except (BadRequest, ValueError) as e:
-            engine.discard_staged()
-            res = UpdateWeightsResult(success=False, message=f"{e} (staged buckets discarded)")
-            return JSONResponse(res.model_dump(), status_code=400)
-        if not last:
-            res = UpdateWeightsResult(success=True, message=f"staged {staged} tensors",
-                                      weight_version=engine.weight_version)
-            return JSONResponse(res.model_dump())
-        n = await asyncio.to_thread(engine.commit_weights, version)
-        res = UpdateWeightsResult(success=True, message=f"Succeeded to update model weights ({n} tensors).",
-                                  weight_version=engine.weight_version)
-        return JSONResponse(res.model_dump())
-
+    app.state.weight_updates = add_weight_routes(app, engine, parse_body)
     return app
 
 
@@ -320,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--health-check-timeout", type=float, default=HEALTH_GENERATE_TIMEOUT_S,
+                    help="/health_generate waits this long for scheduler progress (SGLang: 20 s)")
     ap.add_argument("--log-level", default="warning")
     return ap
 
@@ -339,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         yield
         engine.shutdown()
 
-    app = create_app(engine, args.served_model_name)
+    app = create_app(engine, args.served_model_name, health_timeout_s=args.health_check_timeout)
     app.router.lifespan_context = lifespan
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 

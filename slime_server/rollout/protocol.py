@@ -25,8 +25,22 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class SamplingParams(_Lenient):
-    """SGLang ``sampling_params``. temperature 0 (or below SAMPLING_EPS) is greedy (SGLang: top_k=1)."""
+# SGLang 0.5.23's sampling keys the CPU engine does not implement, with the value that means "off": a
+# request that sets one to anything else gets a clear 400 instead of a silently different sample.
+UNSUPPORTED_SAMPLING: dict[str, Any] = {
+    "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+    "logit_bias": None, "custom_params": None, "beam_width": None, "watermark": None, "choice": None,
+}
+
+
+class SamplingParams(BaseModel):
+    """SGLang ``sampling_params``. temperature 0 (or below SAMPLING_EPS) is greedy (SGLang: top_k=1).
+
+    Unknown keys are refused, as SGLang 0.5.23's contract refuses them (``seed`` is not SGLang's
+    spelling: ``sampling_seed`` is); SGLang keys this engine does not implement are refused unless
+    they hold their neutral value (``UNSUPPORTED_SAMPLING``).
+    """
 
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -38,11 +52,35 @@ class SamplingParams(_Lenient):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, alias="sampling_seed")
+    sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    stream_interval: int | None = Field(None, ge=1)
+    stop_regex: Any = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    logit_bias: Any = None
+    custom_params: Any = None
+    beam_width: Any = None
+    watermark: Any = None
+    choice: Any = None
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self) -> SamplingParams:
+        for key, neutral in UNSUPPORTED_SAMPLING.items():
+            value = getattr(self, key)
+            if value is not None and value != neutral and value != [] and value != {}:
+                raise ValueError(f"{key} is not supported by this engine (only {neutral!r})")
+        return self
 
     @field_validator("temperature")
     @classmethod
@@ -61,14 +99,6 @@ class SamplingParams(_Lenient):
     @classmethod
     def _ids_as_list(cls, v: Any) -> Any:
         return [] if v is None else v
-
-    @model_validator(mode="before")
-    @classmethod
-    def _accept_seed_alias(cls, data: Any) -> Any:
-        # SGLang calls it ``sampling_seed``; ``seed`` is the OpenAI-side spelling. Accept both.
-        if isinstance(data, dict) and "seed" in data and "sampling_seed" not in data:
-            data = {**data, "sampling_seed": data["seed"]}
-        return data
 
     @property
     def greedy(self) -> bool:
@@ -110,12 +140,25 @@ class FinishReason(BaseModel):
     """SGLang's ``finish_reason``: stop (matched token id or string), length, or abort."""
 
     type: Literal["stop", "length", "abort"]
-    matched: int | str | None = None
+    matched: int | str | list[int] | None = None
     length: int | None = None
     message: str | None = None
 
 
 LogprobEntry = tuple[float | None, int, str | None]
+
+
+class WeightVersionSpan(BaseModel):
+    """SGLang's ``{version, start, end}``: output tokens ``[start, end)`` came from weights ``version``."""
+
+    version: str
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_str(cls, v: Any) -> Any:
+        return str(v)
 
 
 class MetaInfo(BaseModel):
@@ -138,9 +181,21 @@ class MetaInfo(BaseModel):
     output_top_logprobs: list[list[LogprobEntry] | None] | None = None
     input_token_logprobs: list[LogprobEntry] | None = None
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
-    # Extension (not in SGLang): the policy version that produced each output token. It differs from
-    # ``weight_version`` only for requests that were in flight while a weight update was committed.
-    output_token_weight_versions: list[str] | None = None
+    # SGLang's spans: output tokens [start, end) were produced by weights ``version``. Several spans only
+    # for a request that was in flight while a weight update was applied.
+    weight_versions: list[WeightVersionSpan] | None = None
+
+    def token_versions(self, n: int) -> list[str]:
+        """The weight version of each of the first ``n`` output tokens (from the spans; without spans,
+        ``weight_version`` for all: a server that reports no spans ran one version per request)."""
+        if not self.weight_versions:
+            return [self.weight_version or ""] * n
+        out: list[str] = []
+        for span in self.weight_versions:
+            out += [span.version] * (max(span.end, span.start) - span.start)
+        if len(out) < n:  # the last span runs to the end (a stream chunk may report it before its end)
+            out += [self.weight_versions[-1].version] * (n - len(out))
+        return out[:n]
 
 
 class GenerateOutput(BaseModel):
@@ -158,7 +213,7 @@ class GenerateOutput(BaseModel):
             d.pop("index")
         mi = d["meta_info"]
         for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs",
-                    "input_top_logprobs", "output_token_weight_versions", "e2e_latency"):
+                    "input_top_logprobs", "weight_versions", "e2e_latency"):
             if mi.get(key) is None:
                 mi.pop(key, None)
         fr = mi["finish_reason"]
@@ -170,21 +225,29 @@ class GenerateOutput(BaseModel):
 
 
 class AbortReq(_Lenient):
-    rid: str = ""
+    """SGLang ``AbortReq``: one request by ``rid`` (its ``-cont{n}`` continuations and ``-{i}`` samples are
+    separate rids: the gateway aborts each), or everything with ``abort_all``."""
+
+    rid: str | None = None
     abort_all: bool = False
 
 
-class PauseGenerationReq(_Lenient):
-    """SGLang's modes: ``abort`` (default) aborts running requests; ``in_place``/``retract`` keep them."""
-
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+PauseMode = Literal["abort", "retract", "in_place"]
 
 
-class UpdateWeightsFromDiskReq(_Lenient):
-    model_path: str
-    load_format: str | None = None
+class PauseGenerationReqInput(_Lenient):
+    """SGLang's modes: ``abort`` aborts running requests; ``retract`` puts them back in the queue (their KV
+    is dropped and recomputed after ``/continue_generation``); ``in_place`` freezes them with their KV."""
+
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationReqInput(_Lenient):
+    torch_empty_cache: bool = True
+
+
+class _WeightVersioned(_Lenient):
     weight_version: str | None = None
-    abort_all_requests: bool = False
 
     @field_validator("weight_version", mode="before")
     @classmethod
@@ -192,13 +255,80 @@ class UpdateWeightsFromDiskReq(_Lenient):
         return None if v is None else str(v)
 
 
+class UpdateWeightFromDiskReqInput(_WeightVersioned):
+    """Body of ``POST /update_weights_from_disk`` (SGLang's ``UpdateWeightFromDiskReqInput``)."""
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+class InitWeightsUpdateGroupReqInput(_Lenient):
+    """Body of ``POST /init_weights_update_group``: the engine joins as rank ``rank_offset + tp_rank`` of a
+    ``world_size`` group whose rank 0 (the trainer) listens at ``master_address:master_port``."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupReqInput(_Lenient):
+    group_name: str = "weight_update_group"
+
+
+class UpdateWeightsFromDistributedReqInput(_WeightVersioned):
+    """Body of ``POST /update_weights_from_distributed``: the tensors that rank 0 broadcasts next, in order
+    (one flat uint8 tensor in SGLang's contiguous layout with ``load_format="flattened_bucket"``)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    load_format: str | None = None
+
+
+class UpdateWeightsFromTensorReqInput(_WeightVersioned):
+    """Body of ``POST /update_weights_from_tensor``: one ``MultiprocessingSerializer`` payload (base64) per
+    engine TP rank; tensors travel by reference (CUDA IPC on GPU, shared memory on CPU)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+# Every engine route our code calls: (HTTP method, path, request body model or None). The contract test
+# checks each against the pinned SGLang release's own source; a route or a field we invent fails it.
+SGLANG_ROUTES: list[tuple[str, str, type[BaseModel] | None]] = [
+    ("POST", "/generate", GenerateReqInput),
+    ("GET", "/health", None),
+    ("GET", "/health_generate", None),
+    ("GET", "/model_info", None),
+    ("GET", "/server_info", None),
+    ("GET", "/flush_cache", None),
+    ("POST", "/abort_request", AbortReq),
+    ("POST", "/pause_generation", PauseGenerationReqInput),
+    ("POST", "/continue_generation", ContinueGenerationReqInput),
+    ("POST", "/update_weights_from_disk", UpdateWeightFromDiskReqInput),
+    ("POST", "/init_weights_update_group", InitWeightsUpdateGroupReqInput),
+    ("POST", "/update_weights_from_distributed", UpdateWeightsFromDistributedReqInput),
+    ("POST", "/destroy_weights_update_group", DestroyWeightsUpdateGroupReqInput),
+    ("POST", "/update_weights_from_tensor", UpdateWeightsFromTensorReqInput),
+]
+
+
 class UpdateWeightsResult(BaseModel):
-    """SGLang's response shape for every weight-update endpoint."""
+    """SGLang's response shape for every weight-update endpoint (``num_paused_requests``: disk only)."""
 
     success: bool
     message: str
-    num_paused_requests: int = 0
-    weight_version: str | None = None
+    num_paused_requests: int | None = None
 
 
 class ErrorBody(BaseModel):
@@ -211,3 +341,15 @@ class ErrorBody(BaseModel):
 
     object: Literal["error"] = "error"
     error: Detail
+
+
+def version_spans(versions: list[str], current: str) -> list[WeightVersionSpan]:
+    """SGLang's ``weight_versions``: runs of equal versions over the output tokens, ``[start, end)``; no
+    output yet is one empty span of the current version. ``weight_version`` is the last span's."""
+    spans: list[WeightVersionSpan] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1].version == v:
+            spans[-1].end = i + 1
+        else:
+            spans.append(WeightVersionSpan(version=v, start=i, end=i + 1))
+    return spans or [WeightVersionSpan(version=current, start=0, end=0)]

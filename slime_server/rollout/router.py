@@ -10,6 +10,19 @@ Facts about sglang-router 0.3.2, checked by running it (the older ``/add_worker?
 - ``/health``, ``/liveness`` and ``/readiness`` describe the router itself.
 - It always exposes Prometheus metrics, on port 29000 unless told otherwise, so two routers on one
   host collide: we always give it a free ``--prometheus-port``.
+
+Health checks and circuit breaker off, as slime launches it (``slime/ray/rollout.py``:
+``router_args.disable_circuit_breaker = True`` and ``disable_health_check = True``, "we will not use the
+health check from router"). Why: the router's checks cannot tell a paused engine from a dead one. On
+SGLang (0.5.15 and 0.5.23) ``/health`` runs the same one-token generation as ``/health_generate``, which
+waits while generation is paused for a weight update, so with a check every 10 s, a 5 s timeout and 3
+failures, any pause longer than ~30 s marked every worker unhealthy. The circuit breaker opens on request
+failures that say nothing about the worker (slime: transfer timeouts under load; here ten requests the
+engine refused with 400 once made it answer 503 for a minute, see ARCHITECTURE.md "Bad input").
+Our ``EngineSupervisor`` is the health monitor instead (as
+slime's ``RolloutHealthMonitor``): it probes ``/health_generate``, takes engines out through
+``DELETE /workers``, and suspends its verdicts while weights are being updated. So ``is_healthy`` in
+``GET /workers`` stays true for every registered worker: membership is the health signal.
 """
 
 from __future__ import annotations
@@ -87,7 +100,9 @@ def build_router_cmd(settings: RouterSettings, port: int, prometheus_port: int,
         "--port", str(port),
         "--policy", settings.policy,
         "--request-timeout-secs", str(settings.request_timeout_secs),
-        "--health-check-interval-secs", str(settings.health_check_interval_secs),
+        # slime's settings: the supervisor is the health monitor (module doc)
+        "--disable-health-check",
+        "--disable-circuit-breaker",
         "--worker-startup-timeout-secs", str(settings.worker_startup_timeout_secs),
         "--worker-startup-check-interval", "1",
         "--prometheus-host", settings.host,

@@ -29,6 +29,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -37,6 +38,7 @@ from pydantic import BaseModel, Field
 
 from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
+from slime_server.rollout.engine_info import engine_weight_version
 from slime_server.trainer.advantages import AdvantageConfig, compute_advantages, opd_advantages
 from slime_server.trainer.types import TrainSample
 
@@ -150,13 +152,8 @@ class EngineControl:
         self._all("/pause_generation", {"mode": "in_place"})
 
     def versions(self) -> list[str | None]:
-        out: list[str | None] = []
-        for url in self.urls():
-            try:
-                out.append(str(self._client.get(f"{url}/get_weight_version").json()["weight_version"]))
-            except (httpx.HTTPError, KeyError, ValueError):
-                out.append(None)
-        return out
+        """Each engine's ``weight_version`` from SGLang's ``/model_info`` (None where it does not answer)."""
+        return [engine_weight_version(self._client, url) for url in self.urls()]
 
     def resume(self) -> None:
         self._all("/continue_generation")
@@ -171,7 +168,8 @@ class TrainLoop:
     def __init__(self, store: TrajectoryStore, make_trainer: Callable[[], Trainer], engines: EngineControl,
                  settings: LoopSettings, checkpoint_dir: str | Path, *, state: LoopState | None = None,
                  on_step: Callable[[LoopState, dict[str, float]], None] | None = None,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None, job_id: str | None = None) -> None:
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None, job_id: str | None = None,
+                 push_guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         self.store = store
         self.job_id = job_id  # whose consumption this is (a restart releases only its own)
         self.make_trainer = make_trainer
@@ -190,6 +188,10 @@ class TrainLoop:
         # held from a train step to its version bump and push: a catch-up push (sync_engine) never
         # interleaves with them, so the weights it sends always carry their own version number
         self._push_lock = threading.RLock()
+        # entered around every window in which engines are paused for weights (a push, a catch-up push,
+        # a sync-mode train step): whoever watches engine health (serve: EngineSupervisor.updating_weights)
+        # must not take a paused engine for a dead one. Set by whoever builds the loop; nothing by default.
+        self.push_guard: Callable[[], AbstractContextManager[Any]] = push_guard or nullcontext
 
     # ------------------------------------------------------------------ lifecycle
     def start_trainer(self) -> None:
@@ -323,20 +325,22 @@ class TrainLoop:
                     samples[i] = samples[i].model_copy(update={"advantages": [a * factor for a in samples[i].advantages or []]})
                     downweighted += 1
         self.state.downweighted += downweighted
-        if s.sync:
-            self.engines.pause()
-        try:
-            with self._push_lock:
-                metrics = dict(self.trainer.train_step(samples, bump_version=False))
-                self.store.mark_consumed([t.id for t in batch.trajectories], self.state.step + 1, self.job_id)
-                self.state.step += 1
-                self.state.version += 1
-                push: dict[str, Any] | None = None
-                if self.state.step % s.update_weights_interval == 0:
-                    push = self._push()
-        finally:
+        # sync: the engines stay paused for the whole train step too, so the guard spans it
+        with self.push_guard() if s.sync else nullcontext():
             if s.sync:
-                self.engines.resume()
+                self.engines.pause()
+            try:
+                with self._push_lock:
+                    metrics = dict(self.trainer.train_step(samples, bump_version=False))
+                    self.store.mark_consumed([t.id for t in batch.trajectories], self.state.step + 1, self.job_id)
+                    self.state.step += 1
+                    self.state.version += 1
+                    push: dict[str, Any] | None = None
+                    if self.state.step % s.update_weights_interval == 0:
+                        push = self._push()
+            finally:
+                if s.sync:
+                    self.engines.resume()
         if self.state.step % s.checkpoint_interval == 0:
             self.checkpoint()
         now = time.monotonic()
@@ -374,7 +378,8 @@ class TrainLoop:
         with self._push_lock:
             if self.trainer is None:
                 return False
-            stats = self.trainer.push_weights([url], self.state.version, self.settings.bucket_bytes)
+            with self.push_guard():
+                stats = self.trainer.push_weights([url], self.state.version, self.settings.bucket_bytes)
         self.on_event("engine_caught_up", {"url": url, "version": self.state.version, "seconds": stats.get("seconds")})
         return True
 
@@ -382,7 +387,8 @@ class TrainLoop:
         assert self.trainer is not None
         with self._push_lock:
             urls = self.engines.urls()
-            stats = self.trainer.push_weights(urls, self.state.version, self.settings.bucket_bytes)
+            with self.push_guard():
+                stats = self.trainer.push_weights(urls, self.state.version, self.settings.bucket_bytes)
         self.on_event("weights_pushed", {"version": self.state.version, "engines": len(urls),
                                          "seconds": stats.get("seconds"), "bytes": stats.get("bytes")})
         return stats

@@ -1,48 +1,74 @@
-"""Trainer side of the bucketed weight push to engines speaking ``/update_weights_from_bucket``.
+"""Trainer side of the bucketed weight push, through SGLang's own weight-update API only.
 
-Why this shape: the trainer's gathered HF tensors are packed once into flat buckets (``weights.py``)
-and every engine receives the same bucket (same-host: one shm file that all engines map; remote: the
-bytes as an HTTP body). Staging a bucket does not touch the live weights, so buckets stream to all
-engines concurrently while the next one is packed; only the *last* bucket makes an engine switch, and
-with ``rolling`` those switches happen one engine after another, so the other engines keep serving
-on a consistent version. Every engine's ``/get_weight_version`` is checked afterwards, and an engine
-that fails is reported in a ``WeightPushError`` (which lists every engine's version), never skipped.
+One pusher, two transports, chosen by where the engines are (``mode="auto"``):
+- **tensor** (engines on this host, e.g. colocated): each bucket is packed once into a reusable shared
+  buffer (``weights.SharedArena``: shared memory on CPU, device memory on GPU) and handed over by
+  reference with ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``; one payload per
+  engine TP rank: CUDA IPC handles on GPU, shared-memory file names on CPU). Engines are updated one
+  after another (``rolling``): while one is paused the others keep serving.
+- **distributed** (engines elsewhere): the trainer's rank 0 and every engine rank form one process
+  group (``/init_weights_update_group``, SGLang's rendezvous; NCCL on GPU, gloo on CPU); per bucket
+  every engine gets ``/update_weights_from_distributed`` and rank 0 broadcasts ONE flat tensor. All
+  engines are in the collective, so they update together. The group is kept between pushes and
+  rebuilt after a failure or when the engine set changes (``destroy_weights_update_group`` first).
 
-Only TP rank 0 of DP rank 0 sends; every other rank must still iterate its tensors, because the TP
+Either way, as slime drives SGLang: ``/pause_generation`` (``retract`` by default: running requests go
+back to the queue and are recomputed on the new weights, so no request fails and no token mixes
+weights), the buckets (``weight_version`` and ``flush_cache`` on the last one), ``/continue_generation``
+(also after errors), then every engine's version is read back from ``/model_info``; an engine that did
+not reach it is reported in a ``WeightPushError``, never skipped.
+
+Only TP rank 0 of DP rank 0 sends; every other rank still iterates its tensors, because the TP
 all-gather inside ``convert.iter_hf_tensors`` is a collective.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 import torch
 from pydantic import BaseModel, Field
 
+from slime_server.rollout.engine_info import engine_weight_version
+from slime_server.rollout.protocol import (
+    ContinueGenerationReqInput,
+    DestroyWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqInput,
+    PauseGenerationReqInput,
+    PauseMode,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
+)
+from slime_server.utils.net import address_towards, find_free_port, is_local_host
 from slime_server.weights import (
-    DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
-    SHM_DIR,
-    Bucket,
-    bucket_layout,
-    fill_bucket,
-    pack_buckets,
-    push_bucket,
+    FLATTENED_BUCKET,
+    FlatMeta,
+    SharedArena,
+    close_weight_group,
+    dtype_name,
+    fill_flat,
+    flat_size,
+    flattened_payload,
+    group_by_bytes,
+    layout_of,
+    nbytes,
+    open_weight_group,
+    serialize,
 )
 
-Transport = Literal["auto", "shm", "http"]
+SyncMode = Literal["auto", "tensor", "distributed"]
 T = TypeVar("T")
+GROUP_TIMEOUT_S = 120.0
 
 
 class EnginePushStats(BaseModel):
-    """What one engine took: bytes it received and the time spent in its update requests."""
+    """What one engine took: the time spent in its update requests."""
 
     url: str
     seconds: float
@@ -55,8 +81,9 @@ class PushStats(BaseModel):
 
     version: str
     sent: bool
+    mode: str = ""
     tensors: int = 0
-    bytes: int = Field(0, description="payload bytes of the tensors (without bucket alignment padding)")
+    bytes: int = Field(0, description="payload bytes of the tensors")
     buckets: int = 0
     pack_seconds: float = 0.0
     seconds: float = 0.0
@@ -89,98 +116,12 @@ def is_push_sender() -> bool:
     if not ps.model_parallel_is_initialized():
         return dist.get_rank() == 0
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("bucketed push with PP > 1 needs one commit across stages (not built yet)")
+        raise NotImplementedError("bucketed push with PP > 1 needs one group per stage (not built yet)")
     return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class BucketArena:
-    """Bucket buffers kept between pushes (shm files, or process memory for the http transport).
-
-    Why: writing into freshly allocated pages costs ~6x a memcpy on Linux (one page fault per 4 KiB),
-    which made packing the dominant cost of a push. Slot ``i`` holds bucket ``i`` of a push and is
-    rewritten by the next push, which starts only after every engine has committed (engines drop
-    their staged views at commit). Holds about one model's worth of memory while the pusher lives.
-    """
-
-    def __init__(self, shm_dir: str | None) -> None:
-        self.shm_dir = shm_dir
-        self._slots: list[tuple[torch.Tensor, str | None, mmap.mmap | None]] = []
-
-    def buffer(self, index: int, nbytes: int) -> tuple[torch.Tensor, str | None, mmap.mmap | None]:
-        """Slot ``index`` with at least ``nbytes`` (grown, and pre-faulted, when too small)."""
-        if index < len(self._slots) and self._slots[index][0].numel() >= nbytes:
-            return self._slots[index]
-        slot = self._alloc(nbytes)
-        slot[0].zero_()  # fault every page in now, once
-        if index < len(self._slots):
-            self._release(self._slots[index])
-            self._slots[index] = slot
-        else:
-            self._slots.append(slot)
-        return slot
-
-    def _alloc(self, nbytes: int) -> tuple[torch.Tensor, str | None, mmap.mmap | None]:
-        if self.shm_dir is None:
-            return torch.empty(nbytes, dtype=torch.uint8), None, None
-        fd, path = tempfile.mkstemp(prefix="slime-arena-", dir=self.shm_dir)
-        try:
-            os.ftruncate(fd, nbytes)
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        return torch.frombuffer(mm, dtype=torch.uint8), path, mm
-
-    @staticmethod
-    def _release(slot: tuple[torch.Tensor, str | None, mmap.mmap | None]) -> None:
-        _, path, _mm = slot
-        if path is not None:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        # the mapping itself goes with the last tensor view of it (closing it under a view would fail)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s[0].numel() for s in self._slots)
-
-    def close(self) -> None:
-        for slot in self._slots:
-            self._release(slot)
-        self._slots.clear()
-
-    def pack(self, named: Iterable[tuple[str, torch.Tensor]], max_bytes: int,
-             alignment: int = DEFAULT_ALIGNMENT) -> Iterator[Bucket]:
-        """``weights.pack_buckets`` (same grouping, same layout) writing into this arena's slots."""
-        group: list[tuple[str, torch.Tensor]] = []
-        used = index = 0
-        for name, t in named:
-            size = _nbytes(t)
-            if group and _align(used, alignment) + size > max_bytes:
-                yield self._fill(index, group, alignment)
-                group, used, index = [], 0, index + 1
-            used = _align(used, alignment) + size
-            group.append((name, t))
-        if group:
-            yield self._fill(index, group, alignment)
-
-    def _fill(self, index: int, group: list[tuple[str, torch.Tensor]], alignment: int) -> Bucket:
-        meta = bucket_layout(group, alignment)
-        buf, path, mm = self.buffer(index, max(meta.total_bytes, 1))
-        fill_bucket(buf, group, meta)
-        return Bucket(meta=meta, buffer=buf[:meta.total_bytes], path=path, _keepalive=mm)
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 def mark_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
-    """Yield (item, is_last) with a lookahead of one: the last bucket is the one that commits."""
+    """Yield (item, is_last) with a lookahead of one: the last bucket carries the version."""
     it = iter(items)
     try:
         prev = next(it)
@@ -192,41 +133,78 @@ def mark_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
     yield prev, True
 
 
-class WeightPusher:
-    """Pushes named tensors to a fixed set of engines, bucket by bucket, and verifies the result.
+def http_error_text(response: httpx.Response) -> str:
+    """The message of an engine's error body (SGLang / OpenAI / ``{"success", "message"}`` shapes)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:300]
 
-    ``transport``: ``shm`` sends a file path (engines on this host), ``http`` sends the bytes, ``auto``
-    picks shm for loopback URLs. ``sender=None`` decides from the Megatron ranks (``is_push_sender``).
-    ``reuse_buffers`` keeps the bucket buffers between pushes (``BucketArena``: several times faster,
-    at the cost of holding one model's worth of shm); without it each push allocates fresh buckets
-    and holds at most three at a time.
+
+class _Bucket:
+    """One packed bucket: its flat buffer, layout, and (tensor path) the per-engine payloads."""
+
+    def __init__(self, flat: torch.Tensor, metas: list[FlatMeta]) -> None:
+        self.flat, self.metas = flat, metas
+        self.payload: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return flat_size(self.metas)
+
+
+class WeightPusher:
+    """Pushes named HF tensors to a fixed set of engines, bucket by bucket, and verifies the result.
+
+    ``mode``: ``tensor`` (same host), ``distributed`` (a process group), or ``auto`` (tensor when every
+    engine is on this host). ``engine_tp[i]``: engine i's TP size (payloads per engine on the tensor path,
+    ranks in the group on the distributed path). ``sender=None`` decides from the Megatron ranks.
     """
 
     def __init__(self, engine_urls: Sequence[str], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 transport: Transport = "auto", rolling: bool = True, *, timeout: float = 600.0,
-                 sender: bool | None = None, reuse_buffers: bool = True) -> None:
+                 mode: SyncMode = "auto", rolling: bool = True, *, timeout: float = 600.0,
+                 sender: bool | None = None, pause_mode: PauseMode = "retract",
+                 engine_tp: Sequence[int] | int = 1, master_address: str | None = None,
+                 backend: str | None = None) -> None:
         if not engine_urls:
             raise ValueError("WeightPusher needs at least one engine URL")
-        if transport not in ("auto", "shm", "http"):
-            raise ValueError(f"unknown transport {transport!r}")
+        if mode not in ("auto", "tensor", "distributed"):
+            raise ValueError(f"unknown weight sync mode {mode!r}")
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be positive")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        tps = [engine_tp] * len(self.engine_urls) if isinstance(engine_tp, int) else list(engine_tp)
+        if len(tps) != len(self.engine_urls) or min(tps) < 1:
+            raise ValueError("engine_tp needs one positive entry per engine")
+        self.engine_tp = tps
         self.bucket_bytes = bucket_bytes
-        self.transport: Transport = transport
+        hosts = [httpx.URL(u).host for u in self.engine_urls]
+        self.mode: SyncMode = mode if mode != "auto" else (
+            "tensor" if all(is_local_host(h) for h in hosts) else "distributed")
         self.rolling = rolling
         self.sender = sender
+        self.pause_mode: PauseMode = pause_mode
+        self.master_address = master_address or address_towards(hosts[0])
+        self.backend = backend
         self._client = httpx.Client(timeout=timeout)
-        self._pool = ThreadPoolExecutor(max_workers=len(self.engine_urls), thread_name_prefix="weight-push")
-        use_shm = transport != "http" and os.access(SHM_DIR, os.W_OK)
-        self._shm: bool | None = True if use_shm else None
-        self._arena = BucketArena(SHM_DIR if use_shm else None) if reuse_buffers else None
+        self._pool = ThreadPoolExecutor(max_workers=len(self.engine_urls) + 1, thread_name_prefix="weight-push")
+        self._arena = SharedArena(shared=True)
+        self._group: Any = None
+        self._group_name = ""
 
+    # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        self._disconnect()
         self._pool.shutdown(wait=True)
         self._client.close()
-        if self._arena is not None:
-            self._arena.close()
+        self._arena.close()
 
     def __enter__(self) -> WeightPusher:
         return self
@@ -242,93 +220,219 @@ class WeightPusher:
         if not sender:
             n = sum(1 for _ in named_tensors)  # take part in the TP gathers, send nothing
             return PushStats(version=ver, sent=False, tensors=n)
-        return self._push(named_tensors, ver)
-
-    def versions(self) -> dict[str, str | None]:
-        """Every engine's current ``weight_version`` (None when it does not answer)."""
-        return {url: self._version(url) for url in self.engine_urls}
-
-    # ------------------------------------------------------------------ internals
-    def _version(self, url: str) -> str | None:
-        try:
-            r = self._client.get(f"{url}/get_weight_version", timeout=10)
-            r.raise_for_status()
-            return str(r.json()["weight_version"])
-        except (httpx.HTTPError, KeyError, ValueError):
-            return None
-
-    def _send(self, url: str, bucket: Bucket, version: str, last: bool, spent: dict[str, float]) -> None:
-        t0 = time.perf_counter()
-        try:
-            res = push_bucket(self._client, url, bucket, weight_version=version if last else None, last=last,
-                              transport=self.transport)
-        except httpx.HTTPStatusError as e:
-            raise RuntimeError(f"HTTP {e.response.status_code}: {http_error_text(e.response)}") from None
-        except httpx.HTTPError as e:
-            raise RuntimeError(f"{type(e).__name__}: {e}") from None
-        finally:
-            spent[url] += time.perf_counter() - t0
-        if not res.get("success", False):
-            raise RuntimeError(f"engine refused the bucket: {res.get('message')}")
-
-    def _push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> PushStats:
-        counted = _Counter(named)
-        if self._arena is not None:
-            buckets = self._arena.pack(counted, self.bucket_bytes)
-        else:
-            buckets = pack_buckets(counted, self.bucket_bytes, shm_dir=self._shm)
+        counted = _Counter(named_tensors)
         spent = {u: 0.0 for u in self.engine_urls}
         errors: dict[str, str] = {}
-        in_flight: list[tuple[str, Future[None]]] = []
-        n_buckets, pack_s = 0, 0.0
-        t_start = time.perf_counter()
-
-        def settle() -> None:
-            for url, fut in in_flight:
-                exc = fut.exception()
-                if exc is not None and url not in errors:
-                    errors[url] = str(exc)
-            in_flight.clear()
-
-        it = mark_last(buckets)
-        try:
-            while True:
-                t0 = time.perf_counter()
-                item = next(it, None)  # packing happens here, overlapping the previous bucket's sends
-                pack_s += time.perf_counter() - t0
-                settle()  # at most one bucket in flight: bounded memory, and staging ends before commit
-                if item is None:
-                    break
-                bucket, last = item
-                n_buckets += 1
-                live = [u for u in self.engine_urls if u not in errors]
-                if not last:
-                    in_flight += [(u, self._pool.submit(self._send, u, bucket, version, False, spent))
-                                  for u in live]
-                    continue
-                for u in live:  # rolling: one engine switches at a time while the others keep serving
-                    in_flight.append((u, self._pool.submit(self._send, u, bucket, version, True, spent)))
-                    if self.rolling:
-                        settle()
-                settle()
-        finally:
-            for _, fut in in_flight:  # never leave a send running on a buffer the next push rewrites
-                fut.exception()
+        t0 = time.perf_counter()
+        buckets = self._pack(counted)
+        if self.mode == "tensor":
+            n_buckets = self._push_tensor(buckets, ver, spent, errors)
+        else:
+            n_buckets = self._push_distributed(buckets, ver, spent, errors)
+        total_s = time.perf_counter() - t0
         if n_buckets == 0:
             raise ValueError("nothing to push: the tensor iterator was empty")
-        total_s = time.perf_counter() - t_start
         versions = self.versions()
         for url, v in versions.items():
-            if v != version and url not in errors:
+            if v != ver and url not in errors:
                 errors[url] = f"reports weight_version {v!r} after the push"
         if errors:
-            raise WeightPushError(version, versions, errors)
+            raise WeightPushError(ver, versions, errors)
         gb = counted.bytes / 1e9
         engines = [EnginePushStats(url=u, seconds=spent[u], gbps=gb / spent[u] if spent[u] else 0.0,
                                    weight_version=versions[u]) for u in self.engine_urls]
-        return PushStats(version=version, sent=True, tensors=counted.count, bytes=counted.bytes,
-                         buckets=n_buckets, pack_seconds=pack_s, seconds=total_s,
+        return PushStats(version=ver, sent=True, mode=self.mode, tensors=counted.count, bytes=counted.bytes,
+                         buckets=n_buckets, pack_seconds=self._pack_s, seconds=total_s,
                          gbps=gb / total_s if total_s else 0.0, engines=engines)
+
+    def versions(self) -> dict[str, str | None]:
+        """Every engine's current ``weight_version`` (None when it does not answer)."""
+        return {url: engine_weight_version(self._client, url, timeout=10) for url in self.engine_urls}
+
+    # ------------------------------------------------------------------ packing
+    def _pack(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[_Bucket]:
+        """Buckets of at most ``bucket_bytes`` packed into the arena (one copy per tensor), lazily."""
+        self._pack_s = 0.0
+        it = group_by_bytes(named, self.bucket_bytes)
+        index = 0
+        while True:
+            t0 = time.perf_counter()
+            group = next(it, None)
+            if group is None:
+                self._pack_s += time.perf_counter() - t0
+                return
+            metas = layout_of(group)
+            device = group[0][1].device
+            if device.type == "cpu":
+                flat = self._arena.buffer(index, flat_size(metas))
+            else:  # GPU: a device buffer (IPC handle / NCCL broadcast source)
+                flat = torch.empty(flat_size(metas), dtype=torch.uint8, device=device)
+            fill_flat(flat, group, metas)
+            self._pack_s += time.perf_counter() - t0
+            index += 1
+            yield _Bucket(flat, metas)
+
+    # ------------------------------------------------------------------ HTTP
+    def _post(self, url: str, path: str, body: BaseModel | None, spent: dict[str, float] | None = None) -> None:
+        t0 = time.perf_counter()
+        try:
+            content = body.model_dump_json(exclude_none=True) if body is not None else "{}"
+            r = self._client.post(f"{url}{path}", content=content, headers={"Content-Type": "application/json"})
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"{path}: {type(e).__name__}: {e}") from None
+        finally:
+            if spent is not None:
+                spent[url] += time.perf_counter() - t0
+        if r.status_code >= 400:
+            raise RuntimeError(f"{path} -> HTTP {r.status_code}: {http_error_text(r)}")
+        try:
+            data = r.json()
+        except ValueError:
+            return
+        if isinstance(data, dict) and data.get("success") is False:
+            raise RuntimeError(f"{path} failed: {data.get('message')}")
+
+    def _on_all(self, urls: Sequence[str], fn: Callable[[str], None], errors: dict[str, str]) -> None:
+        futures = [(u, self._pool.submit(fn, u)) for u in urls]
+        _settle(futures, errors)
+
+    def _pause(self, urls: Sequence[str], errors: dict[str, str]) -> None:
+        self._on_all(urls, lambda u: self._post(u, "/pause_generation", PauseGenerationReqInput(mode=self.pause_mode)),
+                     errors)
+
+    def _continue(self, urls: Sequence[str], errors: dict[str, str]) -> None:
+        cont: dict[str, str] = {}
+        self._on_all(urls, lambda u: self._post(u, "/continue_generation", ContinueGenerationReqInput()), cont)
+        for u, e in cont.items():  # a failed continue must not hide the error that ended the update
+            errors.setdefault(u, e)
+
+    @property
+    def _flush_last(self) -> bool:
+        return self.pause_mode != "in_place"  # in place keeps running requests: SGLang refuses the flush
+
+    # ------------------------------------------------------------------ tensor path
+    def _tensor_req(self, b: _Bucket, url: str, last: bool, version: str) -> UpdateWeightsFromTensorReqInput:
+        if b.payload is None:  # serialised once: CPU payloads name a shared file and can be read many times
+            b.payload = serialize(flattened_payload(b.flat, b.metas))
+        tp = self.engine_tp[self.engine_urls.index(url)]
+        payloads = [b.payload] * tp if b.flat.device.type == "cpu" else [
+            serialize(flattened_payload(b.flat, b.metas)) for _ in range(tp)]  # CUDA IPC: one per rank
+        return UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=FLATTENED_BUCKET,
+                                               flush_cache=last and self._flush_last,
+                                               weight_version=version if last else None)
+
+    def _send_tensor(self, url: str, b: _Bucket, last: bool, version: str, spent: dict[str, float]) -> None:
+        self._post(url, "/update_weights_from_tensor", self._tensor_req(b, url, last, version), spent)
+        if b.flat.is_cuda:
+            torch.cuda.ipc_collect()  # release the IPC handles the engine has closed
+
+    def _push_tensor(self, buckets: Iterator[_Bucket], version: str, spent: dict[str, float],
+                     errors: dict[str, str]) -> int:
+        # Rolling keeps every bucket of this push for the engines after the first (CPU: the arena's slots,
+        # which it holds anyway; GPU: one model's worth of device memory until the push ends).
+        rolling = self.rolling and len(self.engine_urls) > 1
+        first = [self.engine_urls[0]] if rolling else list(self.engine_urls)
+        kept: list[_Bucket] = []
+        n = self._update_tensor(first, mark_last(buckets), version, spent, errors, keep=kept if rolling else None)
+        for url in self.engine_urls[1:] if rolling else []:  # the others, one at a time, same buckets
+            self._update_tensor([url], mark_last(kept), version, spent, errors, keep=None)
+        return n
+
+    def _update_tensor(self, urls: list[str], buckets: Iterator[tuple[_Bucket, bool]], version: str,
+                       spent: dict[str, float], errors: dict[str, str], keep: list[_Bucket] | None) -> int:
+        live = [u for u in urls if u not in errors]
+        self._pause(live, errors)
+        n = 0
+        in_flight: list[tuple[str, Future[Any]]] = []
+        try:
+            for b, last in buckets:  # taking the next item packs the bucket after it: overlaps the send
+                _settle(in_flight, errors)  # one bucket in flight: the last one (the version) lands last
+                n += 1
+                if keep is not None:
+                    keep.append(b)
+                live = [u for u in live if u not in errors]
+                in_flight = [(u, self._pool.submit(self._send_tensor, u, b, last, version, spent)) for u in live]
+        finally:
+            _settle(in_flight, errors)
+            self._continue(list(urls), errors)
+        return n
+
+    # ------------------------------------------------------------------ distributed path
+    def _connect(self) -> None:
+        """Form the group: every engine joins over HTTP while this process opens rank 0."""
+        self._group_name = f"slime-{uuid.uuid4().hex[:12]}"
+        port = find_free_port("0.0.0.0")
+        world = 1 + sum(self.engine_tp)
+        offsets = [1 + sum(self.engine_tp[:i]) for i in range(len(self.engine_urls))]
+        backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        bodies = {u: InitWeightsUpdateGroupReqInput(master_address=self.master_address, master_port=port,
+                                                    rank_offset=off, world_size=world, group_name=self._group_name,
+                                                    backend=backend)
+                  for u, off in zip(self.engine_urls, offsets, strict=True)}
+        futures = [(u, self._pool.submit(self._post, u, "/init_weights_update_group", bodies[u]))
+                   for u in self.engine_urls]
+        errors: dict[str, str] = {}
+        try:
+            self._group = open_weight_group(self.master_address, port, world, 0, self._group_name, backend,
+                                            GROUP_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001  (any rendezvous failure: report it per engine below)
+            errors["rank 0"] = f"{type(e).__name__}: {e}"
+        _settle(futures, errors)
+        if errors:
+            self._disconnect()
+            raise RuntimeError(f"engines could not form the weight-update group: {errors}")
+
+    def _disconnect(self) -> None:
+        if self._group is None:
+            return
+        body = DestroyWeightsUpdateGroupReqInput(group_name=self._group_name)
+        futures = [(u, self._pool.submit(self._post, u, "/destroy_weights_update_group", body))
+                   for u in self.engine_urls]
+        close_weight_group(self._group)
+        self._group = None
+        _settle(futures, {})  # an engine that restarted has no such group: nothing to undo there
+
+    def _push_distributed(self, buckets: Iterator[_Bucket], version: str, spent: dict[str, float],
+                          errors: dict[str, str]) -> int:
+        import torch.distributed as dist
+
+        if self._group is None:
+            try:
+                self._connect()
+            except RuntimeError as e:
+                errors.update({u: str(e) for u in self.engine_urls})
+                return 1
+        self._pause(self.engine_urls, errors)
+        n = 0
+        try:
+            for b, last in mark_last(buckets):
+                n += 1
+                if errors:
+                    continue  # drain the iterator: the other trainer ranks are in its TP gathers
+                body = UpdateWeightsFromDistributedReqInput(
+                    names=[m.name for m in b.metas], dtypes=[dtype_name(m.dtype) for m in b.metas],
+                    shapes=[list(m.shape) for m in b.metas], group_name=self._group_name,
+                    flush_cache=last and self._flush_last, weight_version=version if last else None,
+                    load_format=FLATTENED_BUCKET)
+                futures = [(u, self._pool.submit(self._post, u, "/update_weights_from_distributed", body, spent))
+                           for u in self.engine_urls]
+                try:  # the engines' requests block until they have received the broadcast
+                    dist.broadcast(b.flat, src=0, group=self._group)
+                except Exception as e:  # noqa: BLE001  (a broken collective: every engine is out of step)
+                    errors.update({u: f"broadcast failed: {e}" for u in self.engine_urls})
+                _settle(futures, errors)
+        finally:
+            if errors:
+                self._disconnect()  # a failed collective leaves the members out of step: rebuild next time
+            self._continue(self.engine_urls, errors)
+        return n
+
+
+def _settle(futures: Sequence[tuple[str, Future[Any]]], errors: dict[str, str]) -> None:
+    for url, fut in futures:
+        exc = fut.exception()
+        if exc is not None and url not in errors:
+            errors[url] = str(exc)
 
 
 class _Counter:
@@ -342,20 +446,5 @@ class _Counter:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._it:
             self.count += 1
-            self.bytes += _nbytes(t)
+            self.bytes += nbytes(t)
             yield name, t
-
-
-def http_error_text(response: httpx.Response) -> str:
-    """The message of an engine's error body (SGLang / OpenAI / UpdateWeightsResult shapes)."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:300]
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if "message" in body:
-            return str(body["message"])
-    return str(body)[:300]

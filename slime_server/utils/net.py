@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
 
@@ -31,3 +32,31 @@ def wait_http_ok(url: str, timeout: float = 60.0, interval: float = 0.1, proc=No
             last = repr(e)
         time.sleep(interval)
     raise TimeoutError(f"{url} not ready after {timeout:.0f}s (last: {last})")
+
+
+@functools.lru_cache(maxsize=64)
+def is_local_host(host: str) -> bool:
+    """True when ``host`` is an address of this machine (we can bind to it): shared memory is shared."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def address_towards(host: str, port: int = 80) -> str:
+    """This machine's address on the route to ``host`` (what a peer there can reach us at); no packet
+    is sent (a UDP socket's connect only picks the route)."""
+    if is_local_host(host):
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return str(s.getsockname()[0])
