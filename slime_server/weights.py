@@ -271,7 +271,98 @@ class _SafeUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a weight payload")
         if module == "sglang.srt.weight_sync.tensor_bucket":  # SGLang's own metadata class, by attribute
             return _AnyNamespace
+        if module == "torch.multiprocessing.reductions" and name in _SHM_REBUILDERS:
+            return _SHM_REBUILDERS[name]
         return super().find_class(module, name)
+
+
+# Receiving shared-memory tensors WITHOUT torch's shm manager. torch's own rebuild connects the receiver
+# to the sender's ``torch_shm_manager``; when the sender dies first (a trainer rank killed, a job
+# cancelled), the receiver's next free of such a storage hits a broken socket and the C++ runtime
+# aborts the whole process: an engine must never die of that. So the receiver maps the named file in
+# /dev/shm itself (it stays valid for as long as it is mapped, even once unlinked).
+_SHM_HEADER = 64  # torch's refcounted shared-memory files start with a 64-byte counter (MapAllocator)
+
+
+@dataclass
+class _ShmBytes:
+    """The payload bytes of one torch shared-memory file, mapped read-only by this process."""
+
+    data: torch.Tensor  # uint8 over the mapping
+    dtype: torch.dtype = torch.uint8
+
+
+class _Mappings:
+    """Shared-memory files this process has mapped, by name, kept between pushes: the trainer reuses its
+    bucket files every push, and mapping 256 MB again costs more than copying it. A file that is gone
+    (its sender freed it) is dropped from here; beyond ``cap`` bytes the least recently used go."""
+
+    def __init__(self, cap: int = 8 * 2**30) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, nbytes: int) -> torch.Tensor:
+        import os
+
+        path = os.path.join("/dev/shm", name)
+        with self._lock:
+            for gone in [n for n in self._maps if not os.path.exists(os.path.join("/dev/shm", n))]:
+                del self._maps[gone]
+            data = self._maps.pop(name, None)
+            if data is None or data.numel() != nbytes:
+                data = _map_shm(path, nbytes)
+            self._maps[name] = data  # most recent last
+            while len(self._maps) > 1 and sum(t.numel() for t in self._maps.values()) > self.cap:
+                del self._maps[next(iter(self._maps))]
+            return data
+
+
+def _map_shm(path: str, nbytes: int) -> torch.Tensor:
+    import mmap
+    import os
+    import warnings
+
+    with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        header = total - nbytes
+        if header not in (0, _SHM_HEADER):
+            raise pickle.UnpicklingError(f"{path}: {total} bytes cannot hold a {nbytes}-byte storage")
+        mm = mmap.mmap(f.fileno(), total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # read-only memory: torch warns that writes would fault; we never write
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)[header:]
+
+
+SHM_MAPPINGS = _Mappings()
+
+
+def _rebuild_storage_filename(cls: Any, manager: Any, handle: bytes | str, size: int,
+                              dtype: torch.dtype | None = None) -> _ShmBytes:
+    name = (handle.decode() if isinstance(handle, bytes) else str(handle)).lstrip("/")
+    if not name or "/" in name or name.startswith("."):
+        raise pickle.UnpicklingError(f"bad shared-memory name {handle!r}")
+    nbytes = int(size) * (torch.empty((), dtype=dtype).element_size() if dtype is not None else 1)
+    return _ShmBytes(data=SHM_MAPPINGS.get(name, nbytes), dtype=dtype or torch.uint8)
+
+
+def _rebuild_typed_storage(storage: Any, dtype: torch.dtype) -> Any:
+    if isinstance(storage, _ShmBytes):
+        return _ShmBytes(data=storage.data, dtype=dtype)
+    return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+
+def _rebuild_tensor(cls: Any, storage: Any, metadata: tuple) -> torch.Tensor:
+    offset, size, stride, _requires_grad = metadata
+    if not isinstance(storage, _ShmBytes):
+        raise pickle.UnpicklingError("a CPU tensor in a weight payload must live in shared memory")
+    base = storage.data.view(storage.dtype)
+    return base.as_strided(tuple(size), tuple(stride), base.storage_offset() + int(offset))
+
+
+_SHM_REBUILDERS = {"rebuild_storage_filename": _rebuild_storage_filename,
+                   "rebuild_typed_storage": _rebuild_typed_storage, "rebuild_tensor": _rebuild_tensor}
 
 
 class _AnyNamespace(types.SimpleNamespace):
@@ -334,10 +425,38 @@ def open_weight_group(master_address: str, master_port: int, world_size: int, ra
     store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)  # SGLang's outer prefix: without it the ranks never meet
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout)
+    with _gloo_interface_towards(master_address if backend == "gloo" else None):
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                          backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+@contextlib.contextmanager
+def _gloo_interface_towards(master_address: str | None) -> Iterator[None]:
+    """Gloo binds to the address the machine's hostname resolves to unless GLOO_SOCKET_IFNAME names an
+    interface; that address is often not on the route to the peers (Debian's 127.0.1.1, a container or
+    network namespace). So, unless the user set it, use the interface that holds our address towards
+    rank 0, for the construction of this group only."""
+    import os
+
+    from slime_server.utils.net import address_towards, interface_of
+
+    name = None
+    if master_address is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        try:
+            name = interface_of(address_towards(master_address))
+        except OSError:
+            name = None
+    if name is None:
+        yield
+        return
+    with _STRATEGY_LOCK:  # environment changes are process-wide: one group construction at a time
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+        try:
+            yield
+        finally:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def close_weight_group(pg: Any) -> None:

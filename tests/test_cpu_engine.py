@@ -97,6 +97,50 @@ def test_seeded_samples_do_not_depend_on_batch_company(engine) -> None:
         assert s.done.wait(60)
 
 
+def test_weight_version_spans_as_sglang_reports_them(engine) -> None:
+    """SGLang's scheduler attaches ``weight_versions`` to finished outputs only: a stream chunk before the
+    end has the engine's current ``weight_version`` and no spans; the final output has spans over all its
+    tokens (one per version, ``[start, end)``) and the last span's version; an abort from the queue has one
+    empty span of the current version."""
+    snaps = []
+    seq = engine.new_sequences(PROMPT, SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True),
+                               stream=True, on_update=lambda s: snaps.append(engine.result(s)))[0]
+    before = engine.weight_version
+    engine.submit(seq)
+    deadline = time.monotonic() + 30
+    while len(seq.output_ids) < 5 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    engine.weight_version = "spans-2"  # what a weight update's commit does, between two decode steps
+    try:
+        assert seq.done.wait(60)
+        final = engine.result(seq)
+    finally:
+        engine.weight_version = before
+    k = final.meta_info.weight_versions[0].end
+    assert 5 <= k < 400, "the version changed while the request ran"
+    assert [(s.version, s.start, s.end) for s in final.meta_info.weight_versions] == [
+        (before, 0, k), ("spans-2", k, 400)]
+    assert final.meta_info.weight_version == "spans-2"
+    assert final.meta_info.token_versions(400) == [before] * k + ["spans-2"] * (400 - k)
+    assert final.wire()["meta_info"]["weight_versions"] == [
+        {"version": before, "start": 0, "end": k}, {"version": "spans-2", "start": k, "end": 400}]
+    chunks = snaps[:-1]
+    assert len(chunks) == 399 and all(c.meta_info.weight_versions is None for c in chunks)
+    assert all("weight_versions" not in c.wire()["meta_info"] for c in chunks)
+    assert {c.meta_info.weight_version for c in chunks[k:]} == {"spans-2"}
+    assert snaps[-1].meta_info.weight_versions == final.meta_info.weight_versions
+
+    engine.pause("in_place")
+    try:
+        queued = engine.submit(engine.new_sequences(PROMPT, SamplingParams(max_new_tokens=4), rid="queued")[0])
+        assert engine.abort("queued") == 1 and queued.done.wait(30)
+    finally:
+        engine.resume()
+    out = engine.result(queued)
+    assert out.output_ids == [] and out.meta_info.finish_reason.type == "abort"
+    assert [(s.version, s.start, s.end) for s in out.meta_info.weight_versions] == [(before, 0, 0)]
+
+
 def test_pause_in_place_holds_requests_until_continue(engine) -> None:
     engine.pause("in_place")
     try:

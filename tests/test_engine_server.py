@@ -4,6 +4,7 @@ batching, and seeded sampling."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -84,8 +85,58 @@ def test_seed_reproduces_and_n_returns_n_results(url) -> None:
     b = gen(url, {"input_ids": PROMPT, "sampling_params": sp}).json()
     c = gen(url, {"input_ids": PROMPT, "sampling_params": {**sp, "sampling_seed": 4321}}).json()
     assert a["output_ids"] == b["output_ids"] != c["output_ids"]
+    # SGLang's range: any signed 64-bit seed (negative ones too), nothing beyond
+    neg = [gen(url, {"input_ids": PROMPT, "sampling_params": {**sp, "sampling_seed": -(2**63)}}) for _ in range(2)]
+    assert neg[0].status_code == 200 and neg[0].json()["output_ids"] == neg[1].json()["output_ids"]
+    assert gen(url, {"input_ids": PROMPT, "sampling_params": {**sp, "sampling_seed": 2**63}}).status_code == 400
     many = gen(url, {"input_ids": PROMPT, "sampling_params": {**sp, "n": 3}, "rid": "grp"}).json()
     assert isinstance(many, list) and len(many) == 3
     assert many[0]["output_ids"] == a["output_ids"]  # sample i uses seed + i
     assert len({tuple(m["output_ids"]) for m in many}) == 3
-    assert [m["meta_info"]["id"] for m in many] == ["grp_0", "grp_1", "grp_2"]  # SGLang: {rid}_{i}
+    ids = [m["meta_info"]["id"] for m in many]  # SGLang 0.5.23: regenerate_rid, a fresh uuid per sample
+    assert len(set(ids)) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_rids_as_sglang_names_them(url) -> None:
+    """A batch under one rid runs as ``{rid}_{i}``; the samples of an n > 1 request get fresh uuids, so an
+    abort by the request's rid (or by ``{rid}_{i}``) stops none of them, as on SGLang 0.5.23; a rid named
+    twice in one request, or one still in flight, is refused (SGLang's duplicate-rid checks)."""
+    sp = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
+    batch = gen(url, {"input_ids": [PROMPT, [40, 41]], "sampling_params": sp, "rid": "bat"}).json()
+    assert [b["meta_info"]["id"] for b in batch] == ["bat_0", "bat_1"]
+    listed = gen(url, {"input_ids": [PROMPT, [40, 41]], "sampling_params": sp, "rid": ["p", "q"]}).json()
+    assert [b["meta_info"]["id"] for b in listed] == ["p", "q"]
+    dup = gen(url, {"input_ids": [PROMPT, [40, 41]], "sampling_params": sp, "rid": ["p", "p"]})
+    assert dup.status_code == 400 and "Duplicate request ID" in dup.json()["error"]["message"]
+
+    box: dict = {}
+    long = {"temperature": 1.0, "max_new_tokens": 600, "ignore_eos": True, "n": 2}
+    t = threading.Thread(target=lambda: box.update(r=gen(url, {"input_ids": PROMPT, "sampling_params": long,
+                                                               "rid": "par"})))
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and httpx.get(f"{url}/get_load", timeout=10).json()[0]["num_reqs"] < 2:
+        time.sleep(0.01)
+    busy = gen(url, {"input_ids": PROMPT, "sampling_params": sp, "rid": "par"})
+    assert busy.status_code == 200  # "par" names no running request: SGLang forgets it once n > 1 fans out
+    for rid in ("par", "par_0", "par_1"):
+        assert httpx.post(f"{url}/abort_request", json={"rid": rid}, timeout=10).status_code == 200
+    time.sleep(0.1)
+    assert httpx.get(f"{url}/get_load", timeout=10).json()[0]["num_reqs"] == 2  # both samples still run
+    t.join(120)
+    samples = box["r"].json()
+    assert [s["meta_info"]["finish_reason"]["type"] for s in samples] == ["length", "length"]
+    assert all(s["meta_info"]["id"] not in ("par", "par_0", "par_1") for s in samples)
+
+    box.clear()
+    t = threading.Thread(target=lambda: box.update(r=gen(url, {"input_ids": PROMPT, "rid": "solo",
+                                                               "sampling_params": {**long, "n": 1}})))
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and httpx.get(f"{url}/get_load", timeout=10).json()[0]["num_reqs"] < 1:
+        time.sleep(0.01)
+    again = gen(url, {"input_ids": PROMPT, "sampling_params": sp, "rid": "solo"})
+    assert again.status_code == 400 and "Duplicate request ID detected: solo" in again.json()["error"]["message"]
+    assert httpx.post(f"{url}/abort_request", json={"rid": "solo"}, timeout=10).status_code == 200
+    t.join(60)
+    assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"

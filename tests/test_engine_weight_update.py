@@ -218,3 +218,36 @@ def test_health_generate_follows_sglang_while_paused(url) -> None:
     finally:
         post(url, "/continue_generation", {}).raise_for_status()
     assert httpx.get(f"{url}/health_generate", timeout=10).status_code == 200
+
+
+_SENDER = """
+import os, signal, sys, httpx, torch
+from transformers import AutoModelForCausalLM
+from slime_server import weights
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2])
+group = list(model.state_dict().items())[:4]
+body = {"serialized_named_tensors": [weights.serialize_flattened_bucket(group)],
+        "load_format": "flattened_bucket", "flush_cache": False, "weight_version": sys.argv[3]}
+r = httpx.post(sys.argv[1] + "/update_weights_from_tensor", json=body, timeout=60)
+assert r.status_code == 200, r.text
+os.kill(os.getpid(), signal.SIGKILL)  # die like a killed trainer rank, its shm manager with it
+"""
+
+
+def test_engine_survives_its_sender_dying(url, tiny_model_path) -> None:
+    """A trainer rank killed after a push (its torch shm manager goes with it) must not take the engine
+    down: the engine maps the shared files itself and never talks to the sender's manager."""
+    import subprocess
+    import sys
+    import time
+
+    push_tensor(url, hf_model(tiny_model_path), "base")
+    before = greedy(url)
+    for i in range(2):
+        p = subprocess.run([sys.executable, "-c", _SENDER, url, str(tiny_model_path), f"killed-{i}"], timeout=120)
+        assert p.returncode == -9
+        time.sleep(0.5)  # the manager notices its last client is gone and exits
+        assert version(url) == f"killed-{i}"
+        assert greedy(url) == before  # same weights (the base model's), still serving
+    push_tensor(url, hf_model(tiny_model_path), "after-kill")
+    assert version(url) == "after-kill" and greedy(url) == before

@@ -89,6 +89,10 @@ def test_session_abort_stops_the_generation_for_good(gateway: GatewayProc, route
     assert httpx.post(f"{gateway.base_url}/sessions/no-such-session/abort", timeout=10).status_code == 404
 
 
+def _load(engine: str) -> dict:
+    return httpx.get(f"{engine}/get_server_info", timeout=10).json()["internal_states"][0]
+
+
 def _wait_waiting(engine: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -100,22 +104,31 @@ def _wait_waiting(engine: str, timeout: float = 30) -> None:
 
 
 def test_session_abort_reaches_every_sample_of_n(gateway: GatewayProc, router_url: str) -> None:  # noqa: F811
-    """n = 3 runs as three engine requests ({rid}_0.._2, SGLang's names): the session abort stops all."""
+    """n = 3 runs as three engine requests of n = 1 ({rid}_0.._2: SGLang names the samples of one n > 1
+    request with fresh uuids, which no abort by rid reaches): the session abort stops all three."""
     client = openai_client(gateway)
     sid = "surplus-n3"
+    engine = _engine_url(router_url)
+    before = _counter(gateway, "slime_partial_rollout_continuations_total")
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
         model=MODEL, messages=PROMPT, max_tokens=400, n=3, temperature=1.0, seed=5,
         extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": sid})))
     t.start()
-    _wait_running(_engine_url(router_url))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _load(engine)["num_running_reqs"] < 3:
+        time.sleep(0.01)
     time.sleep(0.2)
     r = httpx.post(f"{gateway.base_url}/sessions/{sid}/abort", timeout=30)
-    assert r.status_code == 200 and r.json()["aborted"] == 4  # the request's rid and its three samples
+    assert r.status_code == 200 and r.json()["aborted"] == 3  # one engine request per sample
     t.join(120)
-    assert len(result["r"].choices) == 3
-    assert result["r"].usage.completion_tokens < 3 * 400  # every sample stopped, none continued
-    assert all(c.finish_reason != "length" for c in result["r"].choices)
+    done = result["r"]
+    assert len(done.choices) == 3 and done.usage.completion_tokens < 3 * 400  # stopped, none continued
+    assert all(c.finish_reason != "length" for c in done.choices)
+    assert _counter(gateway, "slime_partial_rollout_continuations_total") == before
+    trajs = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
+    assert len(trajs) == 3 and all(t["turns"][-1]["finish_reason"] == "abort" for t in trajs)
+    assert sum(sum(t["loss_mask"]) for t in trajs) == done.usage.completion_tokens
 
 
 def test_session_abort_reaches_a_continuation(gateway: GatewayProc, router_url: str) -> None:  # noqa: F811
@@ -124,6 +137,7 @@ def test_session_abort_reaches_a_continuation(gateway: GatewayProc, router_url: 
     client = openai_client(gateway)
     sid = "surplus-cont"
     engine = _engine_url(router_url)
+    before = _counter(gateway, "slime_partial_rollout_continuations_total")
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
         model=MODEL, messages=PROMPT, max_tokens=400, temperature=1.0, seed=9,
@@ -140,5 +154,7 @@ def test_session_abort_reaches_a_continuation(gateway: GatewayProc, router_url: 
     t.join(120)
     done = result["r"]
     assert done.choices[0].finish_reason != "length" and done.usage.completion_tokens < 400
+    assert _counter(gateway, "slime_partial_rollout_continuations_total") == before + 1  # and no second one
     traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
     assert sum(traj[0]["loss_mask"]) == done.usage.completion_tokens
+    assert traj[0]["turns"][-1]["finish_reason"] == "abort"

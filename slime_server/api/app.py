@@ -81,23 +81,28 @@ class Gateway:
 
     async def generate(self, session_id: str, rid: str, input_ids: list[int], params: dict[str, Any],
                        **kw: Any) -> list[Any]:
-        """Engine call for a recorded turn: abortable per session, engine-side aborts continued."""
-        from slime_server.api.partial import generate_continuing, sample_rids
+        """Engine call for a recorded turn: abortable per session, engine-side aborts continued.
 
-        # Every engine rid of this call is registered with the session before it is sent: the request's
-        # own, its samples' (SGLang names them {rid}_{i} when n > 1) and each continuation's.
-        registered = list(dict.fromkeys([rid, *sample_rids(rid, int(params.get("n", 1)))]))
-        for r in registered:
-            self.inflight.add(session_id, r)
+        Every engine rid of this call is registered with the session before it is sent: the request's
+        own (n = 1) or its samples' (n > 1: one engine request per sample, ``{rid}_{i}``) and each
+        continuation's. An aborted rid whose request is still running is aborted again every second
+        (the first abort may have reached the engine before the request)."""
+        from slime_server.api.partial import abort_everywhere, abort_resending, generate_continuing
 
-        def register(sub_rid: str) -> None:
-            registered.append(sub_rid)
-            self.inflight.add(session_id, sub_rid)
+        registered: list[str] = []
+
+        def register(engine_rid: str) -> None:
+            registered.append(engine_rid)
+            self.inflight.add(session_id, engine_rid)
+
+        async def abort(rids: list[str]) -> int:
+            return await abort_everywhere(self.engine.base_url, rids, self.engine.http)
 
         try:
             outs, continued = await generate_continuing(
-                self.engine.generate, input_ids, params, rid=rid, aborted_by_us=self.inflight.aborted,
-                max_continuations=self.settings.max_continuations, register=register, **kw)
+                abort_resending(self.engine.generate, self.inflight.aborted, abort), input_ids, params, rid=rid,
+                aborted_by_us=self.inflight.aborted, max_continuations=self.settings.max_continuations,
+                register=register, **kw)
         finally:
             for r in registered:
                 self.inflight.done(session_id, r)

@@ -23,7 +23,13 @@ from typing import Any
 
 import httpx
 
-from slime_server.rollout.protocol import GenerateOutput, WeightVersionSpan, version_spans
+from slime_server.rollout.protocol import (
+    FinishReason,
+    GenerateOutput,
+    MetaInfo,
+    WeightVersionSpan,
+    version_spans,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,25 +90,26 @@ def _is_abort(out: GenerateOutput) -> bool:
 
 
 def _spans(first: GenerateOutput, more: GenerateOutput) -> list[WeightVersionSpan]:
-    """SGLang's ``weight_versions`` of the spliced answer: both parts' per-token versions, run-length
-    encoded again (a run across the seam becomes one span)."""
+    """SGLang's ``weight_versions`` of the spliced answer: ``first``'s spans, then ``more``'s shifted by
+    ``len(first.output_ids)``, run-length encoded again (a run across the seam becomes one span)."""
     versions = (first.meta_info.token_versions(len(first.output_ids))
                 + more.meta_info.token_versions(len(more.output_ids)))
-    return version_spans(versions, str(more.meta_info.weight_version))
+    return version_spans(versions, str(more.meta_info.weight_version or first.meta_info.weight_version or ""))
 
 
 def splice(first: GenerateOutput, more: GenerateOutput) -> GenerateOutput:
     """``first`` followed by its continuation ``more`` (same prompt + first's tokens)."""
     a, b = first.meta_info, more.meta_info
+    spans = _spans(first, more)
     meta = a.model_copy(update={
         "finish_reason": b.finish_reason,
         "completion_tokens": a.completion_tokens + b.completion_tokens,
-        "weight_version": b.weight_version,
+        "weight_version": spans[-1].version,  # SGLang: the last span's version
         "output_token_logprobs": (a.output_token_logprobs or []) + (b.output_token_logprobs or [])
         if a.output_token_logprobs is not None or b.output_token_logprobs is not None else None,
         "output_top_logprobs": (a.output_top_logprobs or []) + (b.output_top_logprobs or [])
         if a.output_top_logprobs is not None or b.output_top_logprobs is not None else None,
-        "weight_versions": _spans(first, more),
+        "weight_versions": spans,
         "e2e_latency": (a.e2e_latency or 0.0) + (b.e2e_latency or 0.0) or None,
     })
     return GenerateOutput(text=first.text + more.text, output_ids=first.output_ids + more.output_ids,
@@ -110,45 +117,112 @@ def splice(first: GenerateOutput, more: GenerateOutput) -> GenerateOutput:
 
 
 Generate = Callable[..., Awaitable[list[GenerateOutput]]]
+SEED_MODULUS = 2**63  # engines take a sampling_seed in [0, 2**63)
+ABORT_RESEND_S = 1.0
 
 
 def sample_rids(rid: str, n: int) -> list[str]:
-    """The engine rids of a request's samples: ``rid`` itself, or SGLang's ``{rid}_{i}`` when n > 1."""
+    """The engine rids of a request's samples: ``rid`` itself, or ``{rid}_{i}`` when n > 1.
+
+    With n > 1 every sample is an engine request of its own (n = 1, rid ``{rid}_{i}``, seed
+    ``sampling_seed + i``): SGLang 0.5.23 gives the samples of one n > 1 request fresh uuids
+    (``regenerate_rid``), which no abort by rid reaches."""
     return [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
+
+
+def _shift_seed(params: dict[str, Any], k: int) -> dict[str, Any]:
+    if params.get("sampling_seed") is not None and k:
+        params["sampling_seed"] = (int(params["sampling_seed"]) + k) % SEED_MODULUS
+    return params
+
+
+def _aborted_before_sending(rid: str, prompt_len: int) -> GenerateOutput:
+    """What an engine answers for a request aborted in its queue: no token, finish ``abort``."""
+    return GenerateOutput(text="", output_ids=[], meta_info=MetaInfo(
+        id=rid, finish_reason=FinishReason(type="abort", message="aborted by the session before it was sent"),
+        prompt_tokens=prompt_len, completion_tokens=0))
 
 
 async def generate_continuing(generate: Generate, input_ids: list[int], sampling_params: dict[str, Any], *,
                               rid: str | None, aborted_by_us: Callable[[str], bool], max_continuations: int,
                               register: Callable[[str], None] | None = None,
                               **kw: Any) -> tuple[list[GenerateOutput], int]:
-    """``generate`` and continue every output an engine aborted on its own; returns (outputs, continuations).
+    """``generate`` every sample and continue each output an engine aborted on its own; returns
+    (outputs in sample order, continuations).
 
-    A continuation's rid (``{sample rid}-cont{k}``) goes to ``register`` before it is sent, so a session
-    abort that arrives meanwhile reaches it too; an abort of ``rid`` stops every further continuation."""
-    outs = await generate(input_ids, sampling_params, rid=rid, **kw)
-    budget = sampling_params.get("max_new_tokens")
+    Each engine rid goes to ``register`` before it is sent (the samples' ``sample_rids`` all at once,
+    before anything is sent; a continuation's ``{sample rid}-cont{k}`` just before it is), so a session
+    abort that arrives meanwhile reaches it; an abort of a sample's rid stops its further continuations."""
     n = int(sampling_params.get("n", 1))
-    bases = sample_rids(rid, n) if rid else [None] * n
+    rids: list[str | None] = list(sample_rids(rid, n)) if rid else [None] * n
+    if register is not None:
+        for r in rids:
+            if r is not None:
+                register(r)
+    if n == 1:
+        out, continued = await _one_sample(generate, input_ids, dict(sampling_params), rids[0], aborted_by_us,
+                                           max_continuations, register, kw)
+        return [out], continued
+    tasks = [asyncio.ensure_future(_one_sample(
+        generate, input_ids, _shift_seed({**sampling_params, "n": 1}, i), r, aborted_by_us, max_continuations,
+        register, kw)) for i, r in enumerate(rids)]
+    try:
+        done = await asyncio.gather(*tasks)
+    except BaseException:  # one sample failed (or we were cancelled): stop the others
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+        raise
+    return [o for o, _ in done], sum(c for _, c in done)
+
+
+async def _one_sample(generate: Generate, input_ids: list[int], params: dict[str, Any], rid: str | None,
+                      aborted_by_us: Callable[[str], bool], max_continuations: int,
+                      register: Callable[[str], None] | None, kw: dict[str, Any]) -> tuple[GenerateOutput, int]:
+    if rid is not None and aborted_by_us(rid):
+        return _aborted_before_sending(rid, len(input_ids)), 0
+    (out,) = (await generate(input_ids, params, rid=rid, **kw))[:1]
+    budget = params.get("max_new_tokens")
     continued = 0
-    result = []
-    for i, out in enumerate(outs):
-        attempt = 0
-        while (_is_abort(out) and attempt < max_continuations and not (rid and aborted_by_us(rid))
-               and (budget is None or len(out.output_ids) < budget)):
-            params = {**sampling_params, "n": 1}
-            if budget is not None:
-                params["max_new_tokens"] = budget - len(out.output_ids)
-            if params.get("sampling_seed") is not None:  # a fresh but reproducible stream for the rest
-                params["sampling_seed"] = int(params["sampling_seed"]) + len(out.output_ids)
-            base = bases[i] if i < len(bases) else None
-            sub_rid = f"{base}-cont{attempt}" if base else None
-            if sub_rid is not None and register is not None:
-                register(sub_rid)
-                if rid and aborted_by_us(rid):  # the abort came while we registered: do not send
-                    break
-            (more,) = (await generate(input_ids + out.output_ids, params, rid=sub_rid, **kw))[:1]
-            out = splice(out, more)
-            attempt += 1
-            continued += 1
-        result.append(out)
-    return result, continued
+    while (_is_abort(out) and continued < max_continuations and not (rid and aborted_by_us(rid))
+           and (budget is None or len(out.output_ids) < budget)):
+        more_params = _shift_seed(dict(params), len(out.output_ids))  # a fresh but reproducible stream
+        if budget is not None:
+            more_params["max_new_tokens"] = budget - len(out.output_ids)
+        sub_rid = f"{rid}-cont{continued}" if rid else None
+        if sub_rid is not None and register is not None:
+            register(sub_rid)
+            if aborted_by_us(rid):  # the abort came while we registered: do not send
+                break
+        (more,) = (await generate(input_ids + out.output_ids, more_params, rid=sub_rid, **kw))[:1]
+        out = splice(out, more)
+        continued += 1
+    return out, continued
+
+
+def abort_resending(generate: Generate, aborted: Callable[[str], bool],
+                    abort: Callable[[list[str]], Awaitable[Any]], interval: float = ABORT_RESEND_S) -> Generate:
+    """``generate`` that, while a call whose rid we aborted is still running, sends that abort again every
+    ``interval`` seconds: an abort that reached the engine before the request did stopped nothing (SGLang
+    and our engine drop an abort for a rid they do not know)."""
+
+    async def call(input_ids: list[int], params: dict[str, Any], *, rid: str | None = None,
+                   **kw: Any) -> list[GenerateOutput]:
+        task = asyncio.ensure_future(generate(input_ids, params, rid=rid, **kw))
+        if rid is None:
+            return await task
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=interval)
+                if done:
+                    return task.result()
+                if aborted(rid):
+                    try:
+                        await abort([rid])
+                    except Exception as e:  # best effort: the next round tries again
+                        log.warning("abort of %s failed: %r", rid, e)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    return call

@@ -205,17 +205,29 @@ class CPUEngine:
 
     def new_sequences(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                       **kw) -> list[Sequence]:
-        """The ``n`` sequences of one prompt; sample i uses seed ``sampling_seed + i`` when one is given, and
-        rid ``{rid}_{i}`` when n > 1 (SGLang's names for parallel samples; each is aborted by its own rid)."""
-        base = rid or uuid.uuid4().hex
+        """The ``n`` sequences of one prompt; sample i uses seed ``sampling_seed + i`` when one is given.
+
+        Rids as SGLang 0.5.23 gives them: ``rid`` (or a fresh uuid) for n == 1; for n > 1 every sample gets
+        a fresh uuid hex (its tokenizer manager calls ``regenerate_rid`` per sample), so neither ``rid`` nor
+        ``{rid}_{i}`` names a running sample and an abort by them stops nothing (only ``abort_all`` does).
+        Callers that must abort samples one by one send n requests of n = 1 with rids of their own."""
         params = self.resolve(prompt_ids, params)
         out = []
         for i in range(params.n):
             p = params if params.sampling_seed is None else params.model_copy(
-                update={"sampling_seed": params.sampling_seed + i})
-            out.append(Sequence(rid=base if params.n == 1 else f"{base}_{i}", prompt_ids=list(prompt_ids),
-                                params=p, **kw))
+                update={"sampling_seed": (params.sampling_seed + i + 2**63) % 2**64 - 2**63})
+            name = (rid or uuid.uuid4().hex) if params.n == 1 else uuid.uuid4().hex
+            out.append(Sequence(rid=name, prompt_ids=list(prompt_ids), params=p, **kw))
         return out
+
+    def rids_in_flight(self, rids: list[str]) -> list[str]:
+        """Those of ``rids`` that name a request still queued or running."""
+        wanted = set(rids)
+        if not wanted:
+            return []
+        with self._cv:
+            return sorted({s.rid for s in itertools.chain(self._waiting, self._running)
+                           if s.finish is None and s.rid in wanted})
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, timeout: float = 600,
                  **kw) -> list[GenerateOutput]:
@@ -538,10 +550,15 @@ class CPUEngine:
 
     # ------------------------------------------------------------------ results
     def result(self, seq: Sequence) -> GenerateOutput:
-        """SGLang-shaped output of ``seq`` so far (cumulative; final once ``seq.finish`` is set)."""
+        """SGLang-shaped output of ``seq`` so far (cumulative; final once ``seq.finish`` is set).
+
+        As SGLang's scheduler and tokenizer manager: ``weight_versions`` spans only on the final output (any
+        finish, aborts included; a request with no output token yet gets one empty span of the current
+        version), and then ``weight_version`` is the last span's; a stream chunk before the end carries the
+        engine's current ``weight_version`` and no spans."""
         p, f = seq.params, seq.finish
         ids = list(seq.output_ids)
-        spans = version_spans(seq.output_versions[:len(ids)], self.weight_version)
+        spans = version_spans(seq.output_versions[:len(ids)], self.weight_version) if f is not None else None
         text_ids = ids
         if f is not None and f.type == "stop" and isinstance(f.matched, int) and not p.no_stop_trim:
             text_ids = ids[:-1]
@@ -551,7 +568,8 @@ class CPUEngine:
             text = text[:cut] if cut >= 0 else text
         meta = MetaInfo(
             id=seq.rid, finish_reason=f, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(ids),
-            cached_tokens=0, weight_version=spans[-1].version, weight_versions=spans,
+            cached_tokens=0, weight_version=spans[-1].version if spans else self.weight_version,
+            weight_versions=spans,
             e2e_latency=None if seq.finished_at is None else seq.finished_at - seq.created,  # final only
         )
         if seq.return_logprob:

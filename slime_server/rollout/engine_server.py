@@ -106,6 +106,14 @@ class GenerateHandler:
         starts = _per_item(req.logprob_start_len, n, "logprob_start_len")
         if batch and req.rid is not None and not isinstance(req.rid, list):
             rids = [f"{req.rid}_{i}" for i in range(n)]  # SGLang's names for a batch under one rid
+        named = [r for r in rids if r is not None]
+        if len(set(named)) != len(named):  # SGLang's _validate_rid_uniqueness
+            dup = sorted({r for r in named if named.count(r) > 1})
+            raise BadRequest(f"Duplicate request IDs detected within the request: {dup}")
+        busy = self.engine.rids_in_flight(named)
+        if busy:  # SGLang's _init_req_state refuses a rid that names a request still in flight
+            raise BadRequest(f"Duplicate request ID detected: {busy[0]}")
+        # n > 1: new_sequences gives each sample a fresh uuid, as SGLang's tokenizer manager does
         seqs: list[Sequence] = []
         for i, prompt in enumerate(prompts):
             self.engine.validate(prompt, params[i], tops[i], starts[i])

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from slime_server.rollout.protocol import (
 )
 from slime_server.weights import (
     FLATTENED_BUCKET,
+    SHM_MAPPINGS,
     close_weight_group,
     dtype_from_name,
     flat_layout,
@@ -63,10 +63,8 @@ class WeightUpdates:
         self.engine = engine
         self.groups: dict[str, Any] = {}
         self._lock = threading.Lock()
-        # Shared buffers of recent tensor payloads, kept mapped: the trainer reuses its buffers every push,
-        # and torch maps a known file again from its cache (no page faults) while one of its tensors lives.
-        self._mapped: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self._mapped_cap = 2 * sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        # keep the trainer's bucket files mapped between pushes: twice the model's bytes at most
+        SHM_MAPPINGS.cap = 2 * sum(p.numel() * p.element_size() for p in engine.model.parameters())
 
     def init_group(self, req: InitWeightsUpdateGroupReqInput) -> str:
         if req.backend != "gloo":
@@ -125,21 +123,10 @@ class WeightUpdates:
         if not req.serialized_named_tensors:
             raise BadRequest("serialized_named_tensors must hold one payload per TP rank")
         try:
-            obj = load_payload(req.serialized_named_tensors[0])
-            named = payload_tensors(obj, req.load_format)
+            named = payload_tensors(load_payload(req.serialized_named_tensors[0]), req.load_format)
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        if isinstance(obj, dict):
-            self._keep_mapped(obj["flattened_tensor"])
         return self._load(named, req.weight_version, req.flush_cache, req.abort_all_requests)
-
-    def _keep_mapped(self, flat: torch.Tensor) -> None:
-        key = flat.untyped_storage().data_ptr()
-        with self._lock:
-            self._mapped[key] = flat
-            self._mapped.move_to_end(key)
-            while len(self._mapped) > 1 and sum(t.numel() for t in self._mapped.values()) > self._mapped_cap:
-                self._mapped.popitem(last=False)
 
     def from_disk(self, req: UpdateWeightFromDiskReqInput) -> int:
         if req.abort_all_requests:
@@ -154,7 +141,6 @@ class WeightUpdates:
     def close(self) -> None:
         with self._lock:
             groups, self.groups = list(self.groups.values()), {}
-            self._mapped.clear()
         for pg in groups:
             close_weight_group(pg)
 

@@ -52,7 +52,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
-    sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    sampling_seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # SGLang's verify(): a signed int64
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False

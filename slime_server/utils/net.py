@@ -60,3 +60,21 @@ def address_towards(host: str, port: int = 80) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((host, port))
         return str(s.getsockname()[0])
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface holding IPv4 ``address`` (``lo`` for 127.0.0.1), or None."""
+    import fcntl
+    import struct
+
+    if ":" in address:
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(raw[20:24]) == address:
+            return name
+    return None

@@ -1,0 +1,155 @@
+"""The gateway's partial-rollout machinery without a stack (``api/partial.py``): spliced answers carry
+SGLang's ``weight_versions`` spans shifted for the continuation, n > 1 runs as one engine request per
+sample, every engine rid is registered before it is sent, and an abort is sent again while its request
+still runs (the first one may have reached the engine before the request did)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from slime_server.api.partial import abort_resending, generate_continuing, splice
+from slime_server.rollout.protocol import FinishReason, GenerateOutput, MetaInfo, WeightVersionSpan
+
+PROMPT = [11, 12, 13]
+
+
+def _out(ids: list[int], spans: list[tuple[str, int, int]], finish: str, rid: str = "x") -> GenerateOutput:
+    mi = MetaInfo(id=rid, finish_reason=FinishReason(type=finish), prompt_tokens=len(PROMPT),
+                  completion_tokens=len(ids), weight_version=spans[-1][0],
+                  weight_versions=[WeightVersionSpan(version=v, start=s, end=e) for v, s, e in spans],
+                  output_token_logprobs=[(-0.5, t, None) for t in ids])
+    return GenerateOutput(text="t" * len(ids), output_ids=ids, meta_info=mi)
+
+
+def _spans(out: GenerateOutput) -> list[tuple[str, int, int]]:
+    return [(s.version, s.start, s.end) for s in out.meta_info.weight_versions or []]
+
+
+def test_splice_shifts_the_continuation_spans_and_merges_the_seam() -> None:
+    first = _out([1, 2, 3], [("a", 0, 2), ("b", 2, 3)], "abort")
+    more = _out([4, 5], [("b", 0, 1), ("c", 1, 2)], "length")
+    both = splice(first, more)
+    assert _spans(both) == [("a", 0, 2), ("b", 2, 4), ("c", 4, 5)]
+    assert both.meta_info.weight_version == "c" and both.meta_info.completion_tokens == 5
+    assert both.meta_info.token_versions(5) == ["a", "a", "b", "b", "c"]
+    assert both.output_ids == [1, 2, 3, 4, 5] and len(both.meta_info.output_token_logprobs) == 5
+    # a continuation aborted before its first token: the answer's spans are the first part's (SGLang's
+    # weight_version is then the last span's version, not the engine's newer one)
+    empty = splice(first, _out([], [("d", 0, 0)], "abort"))
+    assert _spans(empty) == [("a", 0, 2), ("b", 2, 3)] and empty.meta_info.weight_version == "b"
+    # nothing generated at all: one empty span of the continuation's version
+    assert _spans(splice(_out([], [("a", 0, 0)], "abort"), _out([], [("d", 0, 0)], "abort"))) == [("d", 0, 0)]
+
+
+class _Engine:
+    """A fake ``EngineClient.generate`` that records calls and what was registered when each was sent."""
+
+    def __init__(self, answers: list[GenerateOutput] | None = None) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.registered: list[str] = []
+        self.aborted: set[str] = set()
+        self.answers = list(answers or [])
+
+    def register(self, rid: str) -> None:
+        self.registered.append(rid)
+
+    async def generate(self, input_ids: list[int], params: dict[str, Any], *, rid: str | None = None,
+                       **kw: Any) -> list[GenerateOutput]:
+        self.calls.append({"input_ids": input_ids, "params": params, "rid": rid,
+                           "registered": list(self.registered)})
+        await asyncio.sleep(0)
+        if self.answers:
+            return [self.answers.pop(0)]
+        n = params["max_new_tokens"]
+        return [_out(list(range(n)), [("1", 0, n)], "length", rid=rid or "")]
+
+
+def test_n_samples_are_separate_engine_requests_registered_before_sending() -> None:
+    eng = _Engine()
+    params = {"max_new_tokens": 4, "n": 3, "temperature": 1.0, "sampling_seed": 2**63 - 2}
+    outs, continued = asyncio.run(generate_continuing(eng.generate, PROMPT, params, rid="chat-1",
+                                                      aborted_by_us=eng.aborted.__contains__,
+                                                      max_continuations=2, register=eng.register))
+    assert len(outs) == 3 and continued == 0
+    assert sorted(c["rid"] for c in eng.calls) == ["chat-1_0", "chat-1_1", "chat-1_2"]
+    assert all(c["registered"][:3] == ["chat-1_0", "chat-1_1", "chat-1_2"] for c in eng.calls)
+    by_rid = {c["rid"]: c["params"] for c in eng.calls}
+    assert all(p["n"] == 1 and p["max_new_tokens"] == 4 for p in by_rid.values())
+    # seed + i, kept in SGLang's range
+    assert [by_rid[f"chat-1_{i}"]["sampling_seed"] for i in range(3)] == [2**63 - 2, 2**63 - 1, 0]
+    assert [o.meta_info.id for o in outs] == ["chat-1_0", "chat-1_1", "chat-1_2"]  # in sample order
+    assert params["n"] == 3 and params["sampling_seed"] == 2**63 - 2  # the caller's dict is untouched
+
+
+def test_continuation_is_registered_before_it_is_sent_and_an_abort_then_stops_it() -> None:
+    eng = _Engine([_out([7, 8], [("1", 0, 2)], "abort", rid="chat-2")])
+    params = {"max_new_tokens": 5, "n": 1, "sampling_seed": 10}
+    outs, continued = asyncio.run(generate_continuing(eng.generate, PROMPT, params, rid="chat-2",
+                                                      aborted_by_us=eng.aborted.__contains__,
+                                                      max_continuations=2, register=eng.register))
+    assert continued == 1 and outs[0].output_ids == [7, 8, 0, 1, 2]
+    cont = eng.calls[1]
+    assert cont["rid"] == "chat-2-cont0" and "chat-2-cont0" in cont["registered"]
+    assert cont["input_ids"] == PROMPT + [7, 8] and cont["params"]["max_new_tokens"] == 3
+    assert cont["params"]["sampling_seed"] == 12
+
+    # the session abort lands while the continuation is being registered: it is never sent
+    eng = _Engine([_out([7, 8], [("1", 0, 2)], "abort", rid="chat-3")])
+
+    def register(rid: str) -> None:
+        eng.register(rid)
+        if rid.endswith("-cont0"):
+            eng.aborted.update(eng.registered)
+
+    outs, continued = asyncio.run(generate_continuing(eng.generate, PROMPT, params, rid="chat-3",
+                                                      aborted_by_us=eng.aborted.__contains__,
+                                                      max_continuations=2, register=register))
+    assert len(eng.calls) == 1 and continued == 0
+    assert outs[0].output_ids == [7, 8] and outs[0].meta_info.finish_reason.type == "abort"
+
+
+def test_a_sample_aborted_before_it_is_sent_is_not_sent() -> None:
+    eng = _Engine()
+
+    def register(rid: str) -> None:
+        eng.register(rid)
+        if rid == "chat-4_1":
+            eng.aborted.add(rid)
+
+    params = {"max_new_tokens": 3, "n": 2}
+    outs, _ = asyncio.run(generate_continuing(eng.generate, PROMPT, params, rid="chat-4",
+                                              aborted_by_us=eng.aborted.__contains__, max_continuations=2,
+                                              register=register))
+    assert [c["rid"] for c in eng.calls] == ["chat-4_0"]
+    assert outs[1].output_ids == [] and outs[1].meta_info.finish_reason.type == "abort"
+    assert outs[1].meta_info.token_versions(0) == []
+
+
+def test_an_abort_is_sent_again_while_its_request_still_runs() -> None:
+    """The first abort reached the engine before the request (lost); the second one stops it."""
+    sent: list[list[str]] = []
+
+    async def run() -> list[GenerateOutput]:
+        stopped = asyncio.Event()
+
+        async def generate(input_ids: list[int], params: dict[str, Any], *, rid: str | None = None,
+                           **kw: Any) -> list[GenerateOutput]:
+            await stopped.wait()
+            return [_out([1], [("1", 0, 1)], "abort", rid=rid or "")]
+
+        async def abort(rids: list[str]) -> None:
+            sent.append(rids)
+            if len(sent) == 2:
+                stopped.set()
+
+        call = abort_resending(generate, {"r-1"}.__contains__, abort, interval=0.01)
+        not_ours = abort_resending(generate, {"r-1"}.__contains__, abort, interval=0.01)
+        other = asyncio.ensure_future(not_ours(PROMPT, {}, rid="r-2"))
+        out = await asyncio.wait_for(call(PROMPT, {}, rid="r-1"), 10)
+        await asyncio.wait_for(other, 10)
+        return out
+
+    out = asyncio.run(run())
+    assert out[0].meta_info.finish_reason.type == "abort"
+    assert sent[:2] == [["r-1"], ["r-1"]] and all(s == ["r-1"] for s in sent)  # r-2 was never aborted
