@@ -150,7 +150,7 @@ def test_gateway_generate_bodies_pass_sglang_contract(case: dict[str, Any], stre
 
     at = api_types()
     params = _openai_params(case)
-    rid = "chatcmpl-1" if case["n"] == 1 else None  # Gateway.generate: one rid per sample only for n == 1
+    rid = "chatcmpl-1" if case["n"] == 1 else None  # the builder also runs without a rid (e.g. probes)
     for top in (0, 5):
         body = EngineClient.build_request(PROMPT, params, return_logprob=True, top_logprobs_num=top, rid=rid,
                                           stream=stream)

@@ -225,8 +225,8 @@ class GenerateOutput(BaseModel):
 
 
 class AbortReq(_Lenient):
-    """SGLang ``AbortReq``: one request by ``rid`` (its ``-cont{n}`` continuations and ``-{i}`` samples are
-    separate rids: the gateway aborts each), or everything with ``abort_all``."""
+    """SGLang ``AbortReq``: one request by its exact ``rid`` (the gateway's per-sample ``{rid}_{i}`` and
+    continuation ``-cont{k}`` requests are separate rids: it aborts each), or everything with ``abort_all``."""
 
     rid: str | None = None
     abort_all: bool = False
