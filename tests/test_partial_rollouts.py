@@ -25,14 +25,19 @@ def _engine_url(router: str) -> str:
     return httpx.get(f"{router}/workers", timeout=10).json()["workers"][0]["url"]
 
 
-def _wait_running(engine: str, timeout: float = 30) -> None:
+def _load(engine: str) -> dict:
+    return httpx.get(f"{engine}/get_server_info", timeout=10).json()["internal_states"][0]
+
+
+def _wait_for(engine: str, key: str, timeout: float = 30) -> None:
+    """Until the engine reports at least one request under ``key`` (num_running_reqs, num_waiting_reqs)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        info = httpx.get(f"{engine}/get_server_info", timeout=10).json()["internal_states"][0]
-        if info["num_running_reqs"]:
+        info = _load(engine)
+        if info[key]:
             return
         time.sleep(0.01)
-    raise AssertionError(f"no request started running: {info}")
+    raise AssertionError(f"no request in {key}: {info}")
 
 
 def _counter(gw: GatewayProc, name: str) -> float:
@@ -54,7 +59,7 @@ def test_engine_abort_is_continued_and_equals_the_uninterrupted_answer(gateway: 
     t = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
         **kw, extra_headers={"X-Session-Id": "partial-1"})))
     t.start()
-    _wait_running(engine)
+    _wait_for(engine, "num_running_reqs")
     httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}, timeout=10).raise_for_status()
     time.sleep(0.3)
     httpx.post(f"{engine}/continue_generation", json={}, timeout=10).raise_for_status()
@@ -77,7 +82,7 @@ def test_session_abort_stops_the_generation_for_good(gateway: GatewayProc, route
         extra_headers={"X-Session-Id": sid})))
     t.start()
     engine = _engine_url(router_url)
-    _wait_running(engine)
+    _wait_for(engine, "num_running_reqs")
     time.sleep(0.2)
     r = httpx.post(f"{gateway.base_url}/sessions/{sid}/abort", timeout=30)
     assert r.status_code == 200 and r.json()["aborted"] == 1 and r.json()["engines"] == 1
@@ -87,20 +92,6 @@ def test_session_abort_stops_the_generation_for_good(gateway: GatewayProc, route
     traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
     assert sum(traj[0]["loss_mask"]) == done.usage.completion_tokens
     assert httpx.post(f"{gateway.base_url}/sessions/no-such-session/abort", timeout=10).status_code == 404
-
-
-def _load(engine: str) -> dict:
-    return httpx.get(f"{engine}/get_server_info", timeout=10).json()["internal_states"][0]
-
-
-def _wait_waiting(engine: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = httpx.get(f"{engine}/get_server_info", timeout=10).json()["internal_states"][0]
-        if info["num_waiting_reqs"]:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"no request is waiting: {info}")
 
 
 def test_session_abort_reaches_every_sample_of_n(gateway: GatewayProc, router_url: str) -> None:  # noqa: F811
@@ -143,10 +134,10 @@ def test_session_abort_reaches_a_continuation(gateway: GatewayProc, router_url: 
         model=MODEL, messages=PROMPT, max_tokens=400, temperature=1.0, seed=9,
         extra_body={"ignore_eos": True}, extra_headers={"X-Session-Id": sid})))
     t.start()
-    _wait_running(engine)
+    _wait_for(engine, "num_running_reqs")
     httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}, timeout=10).raise_for_status()
     try:
-        _wait_waiting(engine)  # the continuation is queued on the paused engine
+        _wait_for(engine, "num_waiting_reqs")  # the continuation is queued on the paused engine
         r = httpx.post(f"{gateway.base_url}/sessions/{sid}/abort", timeout=30)
         assert r.status_code == 200 and r.json()["aborted"] == 2  # the request and its continuation
     finally:
