@@ -36,6 +36,7 @@ SUBCOMMANDS: dict[str, str] = {
     "export": "slime_server.buffer.export:ExportCommand",
     "keys": "slime_server.buffer.key_store:KeysCommand",
     "agent": "slime_server.agents.cli:AgentCommand",
+    "model": "slime_server.models.registry:ModelCommand",
 }
 
 # flag -> (dotted settings path, type). Values left at None do not override env/YAML.

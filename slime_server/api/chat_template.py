@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from slime_server.api.token_text import TokenBytes
 from slime_server.buffer.schema import NormalizedMessage, ToolCallRef
 
 
@@ -24,6 +25,14 @@ class ChatTemplateError(ValueError):
 
     status_code = 400
     code = "invalid_messages"
+    param = "messages"
+
+
+class ToolsNotSupportedError(ChatTemplateError):
+    """Tools sent to a model whose chat template ignores them, with the system-prompt fallback off."""
+
+    code = "tools_not_supported"
+    param = "tools"
 
 
 class PrefixMismatchError(ChatTemplateError):
@@ -128,6 +137,52 @@ def _template_dict(msg: NormalizedMessage) -> dict[str, Any]:
     return d
 
 
+TOOLS_FALLBACK_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def tools_in_system_prompt(msgs: list[NormalizedMessage], tools: list[dict[str, Any]]) -> list[NormalizedMessage]:
+    """The conversation as a template without tool support must see it (the documented fallback).
+
+    Tool schemas go into the system prompt in the Hermes format (the default ``hermes`` parser reads the
+    answer), earlier calls into their assistant turn's text as ``<tool_call>`` blocks, and tool results
+    into user turns as ``<tool_response>`` blocks, as Qwen's and Hermes' templates render them.
+    """
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    prompt = TOOLS_FALLBACK_PROMPT.format(tools=listing)
+    out: list[NormalizedMessage] = []
+    if msgs[0].role == "system":
+        out.append(msgs[0].model_copy(update={"content": f"{msgs[0].content}\n\n{prompt}" if msgs[0].content
+                                              else prompt}))
+        rest = msgs[1:]
+    else:
+        out.append(NormalizedMessage(role="system", content=prompt))
+        rest = msgs
+    for m in rest:
+        if m.role == "assistant" and m.tool_calls:
+            blocks = [f'<tool_call>\n{{"name": {json.dumps(c.name, ensure_ascii=False)}, "arguments": {c.arguments}}}'
+                      "\n</tool_call>" for c in m.tool_calls]
+            text = "\n".join([m.content, *blocks] if m.content else blocks)
+            out.append(m.model_copy(update={"content": text, "tool_calls": []}))
+        elif m.role == "tool":
+            out.append(NormalizedMessage(role="user", content=f"<tool_response>\n{m.content}\n</tool_response>"))
+        else:
+            out.append(m)
+    return out
+
+
 def _template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
@@ -139,7 +194,11 @@ def _template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
 class ChatRenderer:
     """Renders OpenAI conversations to prompt ids with a model's HF tokenizer and chat template."""
 
-    def __init__(self, tokenizer_path: str | Path, *, context_length: int | None = None) -> None:
+    def __init__(self, tokenizer_path: str | Path, *, context_length: int | None = None,
+                 tools_fallback: str = "system_prompt") -> None:
+        if tools_fallback not in ("system_prompt", "error"):
+            raise ValueError(f"tools_fallback must be 'system_prompt' or 'error', got {tools_fallback!r}")
+        self.tools_fallback = tools_fallback
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateError(f"tokenizer at {tokenizer_path} has no chat template")
@@ -158,7 +217,32 @@ class ChatRenderer:
             tid = self.tokenizer.convert_tokens_to_ids(tok)
             if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
                 stops.add(tid)
+        stops |= self._generation_config_eos(Path(tokenizer_path))
         self.stop_token_ids: list[int] = sorted(stops)
+        self.token_bytes = TokenBytes(self.tokenizer)  # each id's own bytes (logprobs, split characters)
+        self.template_renders_tools = self._renders_tools()
+
+    def _renders_tools(self) -> bool:
+        """Whether the chat template shows ``tools`` to the model at all (many base ChatML ones do not)."""
+        probe = [{"role": "user", "content": "hi"}]
+        tool = {"type": "function", "function": {"name": "probe_tool_fn", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        try:
+            bare = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+            shown = self.tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that refuses this probe: trust it with tools
+            return True
+        return bare != shown
+
+    @staticmethod
+    def _generation_config_eos(path: Path) -> set[int]:
+        """``generation_config.json``'s EOS ids (Llama 3 lists three; the engines stop on every one)."""
+        cfg = path / "generation_config.json"
+        if not cfg.exists():
+            return set()
+        eos = json.loads(cfg.read_text()).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos]
+        return {int(i) for i in ids if isinstance(i, int)}
 
     def _read_context_length(self, path: Path) -> int:
         cfg = path / "config.json"
@@ -179,6 +263,12 @@ class ChatRenderer:
         msgs = [m if isinstance(m, NormalizedMessage) else normalize_message(m, i) for i, m in enumerate(messages)]
         if not msgs:
             raise ChatTemplateError("messages must be a non-empty list")
+        if tools and not self.template_renders_tools:
+            if self.tools_fallback == "error":
+                raise ToolsNotSupportedError(
+                    "this model's chat template ignores tools; the server's gateway.tools_fallback is 'error' "
+                    "(set it to 'system_prompt' to describe the tools in the system prompt)")
+            msgs, tools = tools_in_system_prompt(msgs, _template_tools(tools) or []), None
         try:
             text = self.tokenizer.apply_chat_template(
                 [_template_dict(m) for m in msgs], tools=_template_tools(tools), tokenize=False,

@@ -38,6 +38,7 @@ from slime_server.api.protocol import (
     new_id,
 )
 from slime_server.api.sessions_resolve import resolve_session
+from slime_server.api.token_text import final_text, streamable, token_string
 from slime_server.rollout.protocol import GenerateOutput
 
 TOOL_PREFILL = '<tool_call>\n{"name": "'
@@ -158,19 +159,27 @@ def finish_reason(engine_reason: str, message: ResponseMessage) -> str:
 
 
 def token_logprobs(gw: Gateway, out: GenerateOutput, start: int = 0) -> list[TokenLogprob]:
-    """OpenAI ``logprobs.content`` entries for output tokens ``start:``."""
+    """OpenAI ``logprobs.content`` entries for output tokens ``start:``, each with the token's own bytes."""
     mi = out.meta_info
     entries = mi.output_token_logprobs or []
     tops = mi.output_top_logprobs or []
+    token_bytes = gw.renderer.token_bytes
     result = []
     for i in range(start, len(entries)):
         lp, tid, _ = entries[i]
-        tok = gw.renderer.decode([tid])
-        top = [TopLogprob(token=gw.renderer.decode([t]), logprob=float(p), bytes=list(gw.renderer.decode([t]).encode()))
+        data = token_bytes(tid)
+        top = [TopLogprob(token=token_string(token_bytes(t)), logprob=float(p), bytes=list(token_bytes(t)))
                for p, t, _ in (tops[i] or [])] if i < len(tops) else []
-        result.append(TokenLogprob(token=tok, logprob=float(lp if lp is not None else 0.0),
-                                   bytes=list(tok.encode()), top_logprobs=top))
+        result.append(TokenLogprob(token=token_string(data), logprob=float(lp if lp is not None else 0.0),
+                                   bytes=list(data), top_logprobs=top))
     return result
+
+
+def answer_text(gw: Gateway, out: GenerateOutput) -> str:
+    """The engine's text of a finished choice, less the U+FFFD of a character cut by the end of generation."""
+    reason = out.meta_info.finish_reason
+    by_token = reason is not None and reason.type == "stop" and isinstance(reason.matched, int)
+    return final_text(out.text, out.output_ids, gw.renderer.token_bytes, stopped_by_token=by_token)
 
 
 def outcome(out: GenerateOutput, index: int, message: ResponseMessage) -> recording.ChoiceOutcome:
@@ -258,7 +267,7 @@ async def chat_completion(gw: Gateway, req: ChatCompletionRequest, principal: Pr
     call = await turn.prepare(principal, header_session_id)
     outs = await gw.generate(turn.prepared.session_id, turn.response_id, call["input_ids"], call["sampling_params"],
                              return_logprob=True, top_logprobs_num=call["top_logprobs_num"])
-    messages = [build_message(gw, turn.prefill + o.text, turn.parse_tools) for o in outs]
+    messages = [build_message(gw, turn.prefill + answer_text(gw, o), turn.parse_tools) for o in outs]
     usage = await turn.record(outs, messages)  # durable before we answer
     choices = []
     for i, (o, m) in enumerate(zip(outs, messages, strict=True)):
@@ -290,11 +299,14 @@ class _ChoiceStream:
 
     def step(self, out: GenerateOutput, with_logprobs: bool) -> tuple[DeltaMessage, ChoiceLogprobs | None]:
         self.last = out
-        text = out.text
         if out.meta_info.finish_reason is None:
-            # The engine trims a matched stop string only from the final text: hold back any tail
-            # that could still become one, so streamed text always equals the non-streamed text.
+            # Hold back a trailing partial character (U+FFFD until its next token arrives) and, since the
+            # engine trims a matched stop string only from the final text, any tail that could still
+            # become one: streamed text always equals the non-streamed text.
+            text = streamable(out.text)
             text = text[: len(text) - _stop_prefix_len(text, self.stops)]
+        else:
+            text = answer_text(self.gw, out)
         delta_text = self.pending + text[len(self.text):]
         self.pending = ""
         self.text = max(self.text, text, key=len)
@@ -372,7 +384,7 @@ async def stream_events(gw: Gateway, turn: ChatTurn, call: dict[str, Any]) -> As
                               code="bad_engine_response")
         finals = [s.finish() for s in states]
         outs = [s.last for s in states]
-        messages = [build_message(gw, turn.prefill + o.text, turn.parse_tools) for o in outs]
+        messages = [build_message(gw, turn.prefill + answer_text(gw, o), turn.parse_tools) for o in outs]
         usage = await turn.record(outs, messages)  # durable before the final chunk
     except APIError as e:
         yield f"data: {json.dumps(e.body())}\n\n"

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from slime_server.api.token_text import join_texts
 from slime_server.rollout.protocol import (
     FinishReason,
     GenerateOutput,
@@ -97,8 +98,10 @@ def _spans(first: GenerateOutput, more: GenerateOutput) -> list[WeightVersionSpa
     return version_spans(versions, str(more.meta_info.weight_version or first.meta_info.weight_version or ""))
 
 
-def splice(first: GenerateOutput, more: GenerateOutput) -> GenerateOutput:
-    """``first`` followed by its continuation ``more`` (same prompt + first's tokens)."""
+def splice(first: GenerateOutput, more: GenerateOutput,
+           token_bytes: Callable[[int], bytes] | None = None) -> GenerateOutput:
+    """``first`` followed by its continuation ``more`` (same prompt + first's tokens); with ``token_bytes``
+    a character split between the two (an abort between its tokens) is mended in the text."""
     a, b = first.meta_info, more.meta_info
     spans = _spans(first, more)
     meta = a.model_copy(update={
@@ -112,7 +115,9 @@ def splice(first: GenerateOutput, more: GenerateOutput) -> GenerateOutput:
         "weight_versions": spans,
         "e2e_latency": (a.e2e_latency or 0.0) + (b.e2e_latency or 0.0) or None,
     })
-    return GenerateOutput(text=first.text + more.text, output_ids=first.output_ids + more.output_ids,
+    text = (first.text + more.text if token_bytes is None else
+            join_texts(first.text, first.output_ids, more.text, more.output_ids, token_bytes))
+    return GenerateOutput(text=text, output_ids=first.output_ids + more.output_ids,
                           meta_info=meta, index=first.index)
 
 
@@ -146,6 +151,7 @@ def _aborted_before_sending(rid: str, prompt_len: int) -> GenerateOutput:
 async def generate_continuing(generate: Generate, input_ids: list[int], sampling_params: dict[str, Any], *,
                               rid: str | None, aborted_by_us: Callable[[str], bool], max_continuations: int,
                               register: Callable[[str], None] | None = None,
+                              token_bytes: Callable[[int], bytes] | None = None,
                               **kw: Any) -> tuple[list[GenerateOutput], int]:
     """``generate`` every sample and continue each output an engine aborted on its own; returns
     (outputs in sample order, continuations).
@@ -161,11 +167,11 @@ async def generate_continuing(generate: Generate, input_ids: list[int], sampling
                 register(r)
     if n == 1:
         out, continued = await _one_sample(generate, input_ids, dict(sampling_params), rids[0], aborted_by_us,
-                                           max_continuations, register, kw)
+                                           max_continuations, register, token_bytes, kw)
         return [out], continued
     tasks = [asyncio.ensure_future(_one_sample(
         generate, input_ids, _shift_seed({**sampling_params, "n": 1}, i), r, aborted_by_us, max_continuations,
-        register, kw)) for i, r in enumerate(rids)]
+        register, token_bytes, kw)) for i, r in enumerate(rids)]
     try:
         done = await asyncio.gather(*tasks)
     except BaseException:  # one sample failed (or we were cancelled): stop the others
@@ -178,7 +184,8 @@ async def generate_continuing(generate: Generate, input_ids: list[int], sampling
 
 async def _one_sample(generate: Generate, input_ids: list[int], params: dict[str, Any], rid: str | None,
                       aborted_by_us: Callable[[str], bool], max_continuations: int,
-                      register: Callable[[str], None] | None, kw: dict[str, Any]) -> tuple[GenerateOutput, int]:
+                      register: Callable[[str], None] | None, token_bytes: Callable[[int], bytes] | None,
+                      kw: dict[str, Any]) -> tuple[GenerateOutput, int]:
     if rid is not None and aborted_by_us(rid):
         return _aborted_before_sending(rid, len(input_ids)), 0
     (out,) = (await generate(input_ids, params, rid=rid, **kw))[:1]
@@ -195,7 +202,7 @@ async def _one_sample(generate: Generate, input_ids: list[int], params: dict[str
             if aborted_by_us(rid):  # the abort came while we registered: do not send
                 break
         (more,) = (await generate(input_ids + out.output_ids, more_params, rid=sub_rid, **kw))[:1]
-        out = splice(out, more)
+        out = splice(out, more, token_bytes)
         continued += 1
     return out, continued
 

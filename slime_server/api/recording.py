@@ -90,7 +90,7 @@ def call_store(fn, *args: Any, **kwargs: Any) -> Any:
         from slime_server.api.chat_template import ChatTemplateError
 
         if isinstance(e, ChatTemplateError):  # the conversation cannot be rendered: the client's input
-            raise APIError(400, str(e), param="messages", code="invalid_messages") from e
+            raise APIError(400, str(e), param=e.param, code=e.code) from e
         status = getattr(e, "status_code", None) or getattr(e, "http_status", None)
         if isinstance(status, int) and 400 <= status < 600:  # 4xx: the request; 503: the store (disk full, read-only)
             raise APIError(status, str(e), code=getattr(e, "code", None)) from e

@@ -27,6 +27,7 @@ from slime_server.api.protocol import (
     new_id,
 )
 from slime_server.api.sessions_resolve import resolve_session
+from slime_server.api.token_text import incomplete_utf8_tail
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 502, 503)}
 
@@ -95,22 +96,24 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
     completion = sum(len(o.output_ids) for o in outs)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
                   total_tokens=len(prompt_ids) + completion)
-    outcomes = [openai_chat.outcome(o, i, ResponseMessage(content=o.text)) for i, o in enumerate(outs)]
+    texts = [openai_chat.answer_text(gw, o) for o in outs]
+    outcomes = [openai_chat.outcome(o, i, ResponseMessage(content=t)) for i, (o, t) in enumerate(zip(outs, texts,
+                                                                                                    strict=True))]
     await recording.commit_turn(gw.sessions, prepared, outcomes, response_id, usage)
     choices = []
     for i, o in enumerate(outs):
         reason = o.meta_info.finish_reason.type if o.meta_info.finish_reason else "stop"
-        choices.append(CompletionChoice(index=i, text=o.text, finish_reason="length" if reason == "length" else "stop",
+        choices.append(CompletionChoice(index=i, text=texts[i], finish_reason="length" if reason == "length" else "stop",
                                         logprobs=_completion_logprobs(gw, o) if req.logprobs is not None else None))
     return CompletionResponse(id=response_id, model=gw.model_name, choices=choices, usage=usage)
 
 
 def _completion_logprobs(gw: Gateway, out) -> CompletionLogprobs:
     entries = openai_chat.token_logprobs(gw, out)
-    offsets, pos = [], 0
-    for e in entries:
-        offsets.append(pos)
-        pos += len(e.token)
+    offsets, seen = [], b""
+    for e in entries:  # characters before each token: whole characters of the bytes before it
+        offsets.append(len(seen[: len(seen) - incomplete_utf8_tail(seen)].decode("utf-8", "replace")))
+        seen += bytes(e.bytes or [])
     tops = [{t.token: t.logprob for t in e.top_logprobs} for e in entries]
     return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
                               top_logprobs=tops if any(tops) else None, text_offset=offsets)

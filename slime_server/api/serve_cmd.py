@@ -143,6 +143,8 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
     from slime_server.launch import Deployment, resolve_model_path
 
     model_path = resolve_model_path(settings.engine.model)
+    if gw_settings.served_model_name is None and model_path != settings.engine.model:  # "tiny", "smollm2"
+        gw_settings = gw_settings.model_copy(update={"served_model_name": settings.engine.model})
     if judge_engine_model is not None:
         from slime_server.online.judge_server import with_judge_cpus
 

@@ -256,9 +256,26 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
 }
 
 
-def get_tool_parser(name: str) -> ToolCallParser:
-    """Parser for a model family name (see ``TOOL_PARSERS``); KeyError names the known ones."""
+def detect_tool_parser(chat_template: str | None) -> str:
+    """The parser for the format a chat template teaches its model (``auto``, as SGLang's per-family choice).
+
+    Llama 3.x templates describe calls as bare JSON (``<|python_tag|>``/``ipython`` turns); Qwen, Hermes,
+    Mistral-Hermes and every template without tool support (our system-prompt fallback) use ``<tool_call>``.
+    """
+    template = chat_template or ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def get_tool_parser(name: str, chat_template: str | None = None) -> ToolCallParser:
+    """Parser for a model family name (see ``TOOL_PARSERS``; ``auto`` reads the chat template); KeyError
+    names the known ones."""
+    if name == "auto":
+        name = detect_tool_parser(chat_template)
     try:
         return TOOL_PARSERS[name]()
     except KeyError:
-        raise KeyError(f"unknown tool parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None
+        raise KeyError(f"unknown tool parser {name!r}; known: auto, {', '.join(sorted(TOOL_PARSERS))}") from None

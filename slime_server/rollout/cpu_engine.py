@@ -566,6 +566,8 @@ class CPUEngine:
         if f is not None and isinstance(f.matched, str) and not p.no_stop_trim:
             cut = text.find(f.matched)
             text = text[:cut] if cut >= 0 else text
+        if f is None:  # SGLang's detokenizer: a streamed text never ends in half a character (U+FFFD)
+            text = text.rstrip("\ufffd")
         meta = MetaInfo(
             id=seq.rid, finish_reason=f, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(ids),
             cached_tokens=0, weight_version=spans[-1].version if spans else self.weight_version,
