@@ -16,10 +16,10 @@ COMMON = dict(
 
 
 def make_config(family: str, **overrides: Any) -> Any:
-    """A transformers config of ``family`` (llama / qwen2 / qwen3) with the shared tiny shape."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A transformers config of ``family`` (llama / mistral / qwen2 / qwen3) with the shared tiny shape."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     return cls(**{**COMMON, **overrides})
 
 

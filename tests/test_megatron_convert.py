@@ -35,6 +35,13 @@ CASES = {
     "qwen2-bias-untied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     # qk-norm, head_dim != hidden/heads, tied.
     "qwen3-qknorm-tied": ("qwen3", dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+    # Llama 3.1-style RoPE scaling, GQA, untied: an original context of 32 puts the 8 frequencies of a
+    # 16-dim head in all three bands (kept, smoothed, divided by the factor).
+    "llama3-rope-scaled": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 5000.0})),
+    # Mistral (Llama layout; no sliding window), GQA, untied.
+    "mistral-gqa-untied": ("mistral", dict(num_key_value_heads=2, tie_word_embeddings=False, sliding_window=None)),
 }
 
 
@@ -160,6 +167,8 @@ def test_unsupported_configs_are_rejected():
         arch_from_hf_config(make_config("llama", rope_scaling={"rope_type": "linear", "factor": 2.0}))
     with pytest.raises(ValueError, match="sliding"):
         arch_from_hf_config(make_config("qwen2", use_sliding_window=True, sliding_window=16))
+    with pytest.raises(ValueError, match="sliding"):
+        arch_from_hf_config(make_config("mistral", sliding_window=16))
     with pytest.raises(ValueError, match="TP"):
         arch_from_hf_config(make_config("qwen3", num_key_value_heads=1), tp_size=2)
 
@@ -225,3 +234,26 @@ def test_conversion_tools_report_bad_input(tmp_path, capsys):
     assert to_megatron(["--hf-dir", str(tmp_path), "--out-dir", str(tmp_path / "y")]) == 2
     assert "error:" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+
+
+def test_sharded_bf16_checkpoint_loads_as_its_values(tmp_path):
+    """A bf16 checkpoint in several safetensors shards (``model.safetensors.index.json``), as Hugging Face
+    ships real models: the trainer reads every shard and holds exactly the bf16 values, in fp32."""
+    config = make_config("llama", num_key_value_heads=2, tie_word_embeddings=False)
+    hf_model = save_random_hf_model(config, tmp_path / "fp32")
+    hf_model.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"), max_shard_size="20KB")
+    shards = sorted(p.name for p in (tmp_path / "bf16").glob("*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "bf16" / "model.safetensors.index.json").exists()
+    megatron = build_gpt_model(config).eval()
+    load_hf_checkpoint_into(megatron, tmp_path / "bf16")
+    exported = export_hf_state_dict(megatron)
+    bf16_values = {k: v.float() for k, v in hf_model.state_dict().items()}
+    assert set(exported) == set(bf16_values)
+    for name, tensor in exported.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, bf16_values[name]), name
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), dtype=torch.float32).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(forward_logits(megatron, ids), reference(ids).logits, rtol=0, atol=1e-4)

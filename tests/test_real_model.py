@@ -171,7 +171,8 @@ def test_live_job_first_step_sees_the_engines_logprobs(real_model_path: Path,
     finally:
         running.stop()
     diff = metrics["train_rollout_logprob_abs_diff"]
-    print(f"\nreal model, first step: train_rollout_logprob_abs_diff={diff:.2e}")
+    print(f"\nreal model, first step: train_rollout_logprob_abs_diff={diff:.2e}, {metrics.get('tokens', 0):.0f} tokens, "
+          f"step {metrics.get('step_seconds', 0):.1f} s, push {metrics.get('push_seconds', 0):.1f} s")
     assert 0 <= diff < ATOL
 
 

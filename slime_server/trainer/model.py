@@ -23,7 +23,7 @@ from torch import nn
 
 from slime_server.trainer.megatron_cpu import apply_cpu_patches, cuda_available
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -45,22 +45,29 @@ class ModelArch:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
+    # Llama 3.1+ RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    rope_llama3: tuple[float, float, float, int] | None = None
 
 
-def _rope_theta(hf_config: Any) -> float:
-    """RoPE base from either transformers layout (``rope_theta`` or 5.x ``rope_parameters``)."""
+def _rope(hf_config: Any) -> tuple[float, tuple[float, float, float, int] | None]:
+    """RoPE base and Llama-3 scaling from either transformers layout (``rope_theta``/``rope_scaling`` or 5.x
+    ``rope_parameters``); other scaling types (yarn, linear, dynamic) are refused, not approximated."""
     theta = getattr(hf_config, "rope_theta", None)
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    llama3 = None
     if isinstance(params, dict):
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise ValueError(f"unsupported RoPE scaling type {rope_type!r} (only default RoPE)")
+        if rope_type == "llama3":
+            llama3 = (float(params["factor"]), float(params.get("low_freq_factor", 1.0)),
+                      float(params.get("high_freq_factor", 4.0)), int(params["original_max_position_embeddings"]))
+        elif rope_type not in (None, "default"):
+            raise ValueError(f"unsupported RoPE scaling type {rope_type!r} (default and llama3 only)")
         theta = params.get("rope_theta", theta)
-    return float(theta if theta is not None else 10000.0)
+    return float(theta if theta is not None else 10000.0), llama3
 
 
 def arch_from_hf_config(hf_config: Any, tp_size: int = 1) -> ModelArch:
-    """Read a transformers Llama/Qwen2/Qwen3 config; reject anything this mapping cannot represent."""
+    """Read a transformers Llama/Mistral/Qwen2/Qwen3 config; reject anything this mapping cannot represent."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}")
@@ -68,7 +75,8 @@ def arch_from_hf_config(hf_config: Any, tp_size: int = 1) -> ModelArch:
         raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (SwiGLU/silu only)")
     if getattr(hf_config, "mlp_bias", False) or getattr(hf_config, "attention_bias", False):
         raise ValueError("bias on MLP or attention projections is not supported (Qwen2 qkv bias is)")
-    if getattr(hf_config, "use_sliding_window", False):
+    window = getattr(hf_config, "sliding_window", None) if model_type == "mistral" else None
+    if getattr(hf_config, "use_sliding_window", False) or (window and window < hf_config.max_position_embeddings):
         raise ValueError("sliding-window attention is not supported")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -83,7 +91,8 @@ def arch_from_hf_config(hf_config: Any, tp_size: int = 1) -> ModelArch:
         head_dim=head_dim, vocab_size=vocab, padded_vocab_size=math.ceil(vocab / tp_size) * tp_size,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
         qk_norm=model_type == "qwen3", rms_norm_eps=float(hf_config.rms_norm_eps),
-        rope_theta=_rope_theta(hf_config), max_position_embeddings=hf_config.max_position_embeddings,
+        rope_theta=_rope(hf_config)[0], max_position_embeddings=hf_config.max_position_embeddings,
+        rope_llama3=_rope(hf_config)[1],
     )
 
 
@@ -175,6 +184,11 @@ def build_gpt_model(
         parallel_output=parallel_output, share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
     )
+    if arch.rope_llama3 is not None:  # Megatron's own Llama-3 rule, with this checkpoint's four numbers
+        factor, low, high, original = arch.rope_llama3
+        rope = model.rotary_pos_emb
+        rope.inv_freq = rope._apply_scaling(rope.inv_freq, factor=factor, low_freq_factor=low,
+                                            high_freq_factor=high, original_max_position_embeddings=original)
     model.rotary_pos_emb = PositionIdsRotaryEmbedding(model.rotary_pos_emb)
     model.arch = arch
     model.uses_te = use_te
