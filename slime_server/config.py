@@ -87,7 +87,7 @@ class GatewaySettings(_Section):
                                       "minted admin key, and api_key becomes an agent key")
     cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API "
                                     "(CORS); empty = CORS off")
-    tool_parser: str = Field("auto", description="auto (from the chat template) | hermes | qwen | llama3_json "
+    tool_parser: str = Field("auto", description="auto (from the chat template) | hermes | qwen | llama3_json | mistral "
                              "(see api/tool_parsers.py)")
     tools_fallback: Literal["system_prompt", "error"] = Field(
         "system_prompt", description="tools sent to a model whose chat template ignores them: describe them in "

@@ -124,7 +124,39 @@ def test_auto_reads_the_call_format_from_the_chat_template() -> None:
 
     assert detect_tool_parser("{{ '<tool_call>' }}{{ tools | tojson }}") == "hermes"  # Qwen, Hermes
     assert detect_tool_parser("{%- if builtin_tools %}<|python_tag|>{% endif %}ipython") == "llama3_json"  # Llama 3
+    assert detect_tool_parser("{{- '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
     assert detect_tool_parser(None) == "hermes"  # no tool support: the system-prompt fallback's format
     assert isinstance(get_tool_parser("auto", "<|python_tag|>"), Llama3JsonToolParser)
     with pytest.raises(KeyError, match="auto"):
         get_tool_parser("nope")
+
+
+MISTRAL_LIST = f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {ARGS}}}, {{"name": "now", "arguments": {{}}}}]'
+MISTRAL = ["Let me look. " + MISTRAL_LIST, MISTRAL_LIST,
+           f"[TOOL_CALLS]get_weather[ARGS]{ARGS}[TOOL_CALLS]now[ARGS]{{}}",  # v11+ format
+           "no call here [TOOL_CA", "[TOOL_CALLS] not json"]
+
+
+def test_mistral_calls_keep_exact_arguments() -> None:
+    from slime_server.api.tool_parsers import MistralToolParser
+
+    p = MistralToolParser()
+    for text, content in ((MISTRAL[0], "Let me look."), (MISTRAL[1], None), (MISTRAL[2], None)):
+        got = p.parse(text)
+        assert [(c.name, c.arguments) for c in got.calls] == [("get_weather", ARGS), ("now", "{}")]
+        assert got.content == content
+    for text in MISTRAL[3:]:  # not a call: stays content, nothing dropped
+        got = p.parse(text)
+        assert got.calls == [] and got.content == text
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.sampled_from(MISTRAL), cuts=st.lists(st.integers(0, 120), max_size=8))
+def test_mistral_streaming_equals_whole_text(text: str, cuts: list[int]) -> None:
+    from slime_server.api.tool_parsers import MistralToolParser
+
+    p = MistralToolParser()
+    whole = p.parse(text)
+    content, calls = _stream(p, _chunks(text, cuts))
+    assert calls == [(c.name, c.arguments) for c in whole.calls]
+    assert (content or None) == whole.content

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--admin-api-key", default=None)
     ap.add_argument("--settings-json", default="{}", help="more GatewaySettings fields as JSON (limits, CORS, ...)")
     ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--tool-parser", default="auto", help="auto (from the chat template) | hermes | llama3_json")
+    ap.add_argument("--tool-parser", default="auto", help="auto (from the chat template) | hermes | llama3_json | mistral")
     ap.add_argument("--reasoning-parser", default="qwen3", help='"" disables')
     ap.add_argument("--engine-supports-penalties", action="store_true")
     ap.add_argument("--log-level", default="warning")

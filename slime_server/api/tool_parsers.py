@@ -2,7 +2,7 @@
 
 Why a registry keyed by model family: each family writes calls differently (Qwen/Hermes wrap a
 JSON object in ``<tool_call>…</tool_call>``, Llama 3 emits bare JSON, optionally after
-``<|python_tag|>``), like SGLang's ``--tool-call-parser``. Arguments are returned as the exact JSON
+``<|python_tag|>``, Mistral a JSON list after ``[TOOL_CALLS]``), like SGLang's ``--tool-call-parser``. Arguments are returned as the exact JSON
 substring the model produced, so a client that sends the call back gets the same tokens rendered
 again (token-exact sessions, ARCHITECTURE decision 3).
 
@@ -141,6 +141,65 @@ class Llama3JsonToolParser(ToolCallParser):
         return ParseResult(prefix.strip() or None, calls)
 
 
+class MistralToolParser(ToolCallParser):
+    """Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (v3 tokenizer; also with ``"id"``),
+    or ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11+)."""
+
+    marker = "[TOOL_CALLS]"
+    args_marker = "[ARGS]"
+
+    def parse(self, text: str) -> ParseResult:
+        head, found, body = text.partition(self.marker)
+        if not found:
+            return ParseResult(text or None, [])
+        calls = self._calls(body.strip()) if body.strip() else None
+        if not calls:
+            return ParseResult(text or None, [])
+        return ParseResult(head.strip() or None, calls)
+
+    def _calls(self, body: str) -> list[ParsedCall] | None:
+        if body.startswith("["):
+            try:
+                items, end = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError:
+                return None
+            if end != len(body) or not isinstance(items, list) or not items:
+                return None
+            exact: list[ParsedCall] = []  # each call parsed from its own text: arguments exactly as produced
+            pos = 1
+            for _ in items:
+                start, stop = _next_object(body, pos)
+                call = _call_from_json(body[start:stop]) if start >= 0 else None
+                if call is None:
+                    return None
+                exact.append(call)
+                pos = stop
+            return exact
+        calls: list[ParsedCall] = []  # v11+: name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
+        for part in body.split(self.marker):
+            name, found, args = part.partition(self.args_marker)
+            if not found or not name.strip():
+                return None
+            try:
+                json.loads(args)
+            except json.JSONDecodeError:
+                return None
+            calls.append(ParsedCall(name.strip(), args.strip()))
+        return calls
+
+
+def _next_object(text: str, pos: int) -> tuple[int, int]:
+    """Span of the next top-level JSON object in ``text`` from ``pos`` ((-1, -1) if none)."""
+    start = text.find("{", pos)
+    if start < 0:
+        return -1, -1
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, start)
+    except json.JSONDecodeError:
+        return -1, -1
+    return start, end
+
+
 class StreamingToolParser:
     """Incremental parser: ``feed(delta)`` -> content to emit now + complete tool-call deltas."""
 
@@ -156,6 +215,8 @@ class StreamingToolParser:
         self.buffer += delta
         if isinstance(self.parser, HermesToolParser):
             return self._feed_hermes(self.parser)
+        if isinstance(self.parser, MistralToolParser):
+            return self._feed_until_marker(self.parser.marker)
         return self._feed_llama3()
 
     def finish(self) -> StreamDelta:
@@ -220,6 +281,19 @@ class StreamingToolParser:
             self.buffer = self.buffer[j + len(p.end):]
         return out
 
+    def _feed_until_marker(self, marker: str) -> StreamDelta:
+        """Content up to ``marker``; from the marker on, everything is calls, decided at finish()."""
+        if self._bare_json:
+            return StreamDelta()
+        i = self.buffer.find(marker)
+        if i >= 0:
+            self._bare_json = True
+            emit, self.buffer = self.buffer[:i], self.buffer[i:]
+            return StreamDelta(content=self._content(emit))
+        keep = _partial_suffix(self.buffer, marker)
+        emit, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        return StreamDelta(content=self._content(emit))
+
     def _feed_llama3(self) -> StreamDelta:
         if self._bare_json is None:
             stripped = self.buffer.lstrip()
@@ -253,18 +327,22 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
     "qwen3": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "llama3": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
 }
 
 
 def detect_tool_parser(chat_template: str | None) -> str:
     """The parser for the format a chat template teaches its model (``auto``, as SGLang's per-family choice).
 
-    Llama 3.x templates describe calls as bare JSON (``<|python_tag|>``/``ipython`` turns); Qwen, Hermes,
-    Mistral-Hermes and every template without tool support (our system-prompt fallback) use ``<tool_call>``.
+    Llama 3.x templates describe calls as bare JSON (``<|python_tag|>``/``ipython`` turns), Mistral's as
+    ``[TOOL_CALLS]``; Qwen, Hermes and every template without tool support (our system-prompt fallback)
+    use ``<tool_call>``.
     """
     template = chat_template or ""
     if "<tool_call>" in template:
         return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
     if "<|python_tag|>" in template or "ipython" in template:
         return "llama3_json"
     return "hermes"
