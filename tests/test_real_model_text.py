@@ -131,3 +131,22 @@ def test_tools_are_refused_when_the_template_ignores_them_and_the_fallback_is_of
         assert ok.choices[0].finish_reason in ("length", "stop")
     finally:
         stop_gateway(gw)
+
+
+def test_a_conversation_with_cut_characters_stays_one_trajectory(gateway: GatewayProc) -> None:
+    """Answers cut by max_tokens inside a character (their text drops it, their tokens keep it) are sent
+    back as the client got them: the session still merges token-exactly, with SmolLM2's own template."""
+    import httpx
+
+    sid = httpx.post(f"{gateway.base_url}/sessions", json={}, timeout=30).json()["id"]
+    client = openai_client(gateway)
+    messages: list[dict] = []
+    for prompt in (PROMPTS[3], PROMPTS[1], PROMPTS[0]):  # the emoji answer is cut inside a character
+        messages.append({"role": "user", "content": prompt})
+        r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                           extra_headers={"X-Session-Id": sid})
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    info = httpx.get(f"{gateway.base_url}/sessions/{sid}", timeout=30).json()
+    assert info["num_turns"] == 3 and info["segment_splits"] == 0
+    (traj,) = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=30).json()
+    assert len(traj["turns"]) == 3
