@@ -99,6 +99,8 @@ def test_serve_with_api_key(tiny_model_path: Path, tmp_path: Path) -> None:
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
         assert r.status_code == 401 and r.json()["error"]["type"]
+        models = httpx.get(f"{base_url}/models", headers={"Authorization": "Bearer sekret"}, timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]  # a built-in or registry model keeps its short name
         assert _chat(base_url, api_key="sekret") in ("stop", "length")
         tree = proc_tree(proc.pid)
         rest = _stop_and_check_no_orphans(proc, tree, lines)

@@ -10,6 +10,8 @@ engine's logprobs within 1e-4 of the trainer's.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -90,6 +92,15 @@ def test_the_registry_model_is_the_real_checkpoint(real_model_path: Path) -> Non
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (9, 3, 49152)
     assert config.tie_word_embeddings
+    from slime_server.launch import resolve_model_path
+
+    assert resolve_model_path("smollm2") == str(real_model_path)  # serve --model smollm2
+    cli = subprocess.run([sys.executable, "-m", "slime_server.cli", "model", "fetch", "smollm2"], capture_output=True,
+                         text=True, timeout=120)
+    assert cli.returncode == 0 and cli.stdout.strip() == str(real_model_path), cli.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "slime_server.cli", "model", "fetch", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown registry model 'nope'; known: smollm2" in bad.stderr
 
 
 def test_engine_answers_as_hf(engine_url: str, hf, prompts: list[list[int]]) -> None:
