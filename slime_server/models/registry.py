@@ -47,9 +47,10 @@ MODELS: dict[str, RegistryModel] = {
 
 
 def cache_root() -> Path:
-    """``$SLIME_MODEL_CACHE``, else ``~/.cache/slime-server/models`` (the tiny model's cache too)."""
-    env = os.environ.get("SLIME_MODEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "slime-server" / "models"
+    """The tiny model's cache: ``$SLIME_SERVER_CACHE/models``, else ``~/.cache/slime-server/models``."""
+    from slime_server.models.tiny import default_cache_dir
+
+    return default_cache_dir()
 
 
 def fetch_model(name: str, cache_dir: str | Path | None = None) -> Path:
@@ -124,7 +125,7 @@ class ModelCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("action", choices=("fetch", "list"))
         parser.add_argument("name", nargs="?", default="smollm2", help=f"one of: {', '.join(sorted(MODELS))}")
-        parser.add_argument("--dir", default=None, help="cache directory (default: $SLIME_MODEL_CACHE or "
+        parser.add_argument("--dir", default=None, help="cache directory (default: $SLIME_SERVER_CACHE/models or "
                             "~/.cache/slime-server/models)")
 
     def run(self, args: argparse.Namespace, settings: Any) -> int:
