@@ -2,8 +2,8 @@
 
 Llama architecture with what the tiny model lacks: 30 layers, GQA 9/3 heads, tied embeddings, a 49k
 byte-level vocabulary and a ChatML template without tool support. The CPU engine answers as HF does
-(greedy ids equal, logprobs within 1e-4), HF -> Megatron -> HF is bit-identical with Megatron's token
-log-probs within 1e-4 of HF's, a push lands exactly the trainer's export, and a live job's first step sees the
+(greedy ids equal, logprobs within 1e-4), HF -> Megatron -> HF is bit-identical with Megatron's logits
+within 1e-4 of HF's (eager attention, the same math), a push lands exactly the trainer's export, and a live job's first step sees the
 engine's logprobs within 1e-4 of the trainer's.
 """
 
@@ -120,17 +120,15 @@ def test_megatron_round_trip_and_logits(megatron, hf, real_model_path: Path, pro
     for name, tensor in on_disk.items():
         assert torch.equal(exported[name], tensor), name
     ids = torch.tensor([prompts[0] + prompts[1] + prompts[2]])
+    eager = AutoModelForCausalLM.from_pretrained(str(real_model_path), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
     with torch.no_grad():
-        ours, ref = forward_logits(model, ids), hf(ids).logits
-    # What the trainer uses: each token's log-prob given the ones before it (as the engine reports them).
-    nxt = ids[:, 1:, None]
-    ours_lp = torch.log_softmax(ours[:, :-1], -1).gather(-1, nxt)
-    ref_lp = torch.log_softmax(ref[:, :-1], -1).gather(-1, nxt)
-    torch.testing.assert_close(ours_lp, ref_lp, atol=ATOL, rtol=0)
-    # Over the whole vocabulary fp32 rounding of 30 layers (ops in another order) shows: a measurement
-    print(f"\nMegatron vs HF, {ids.shape[1]} tokens x {ref.shape[-1]} logits: max |diff| "
-          f"{(ours - ref).abs().max().item():.1e}, mean {(ours - ref).abs().mean().item():.1e}; "
-          f"token log-probs max {(ours_lp - ref_lp).abs().max().item():.1e}")
+        ours, ref, ref_sdpa = forward_logits(model, ids), eager(ids).logits, hf(ids).logits
+    # Megatron's CPU attention is HF's eager math: every one of the 109 x 49k logits within 1e-4.
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+    # HF's default (SDPA) attention orders the same fp32 sums differently: a measurement, not a bound.
+    print(f"\nMegatron vs HF eager, {ids.shape[1]} tokens x {ref.shape[-1]} logits: max |diff| "
+          f"{(ours - ref).abs().max().item():.1e}; vs HF sdpa {(ours - ref_sdpa).abs().max().item():.1e}")
 
 
 def test_push_lands_the_trainers_export(megatron, engine_url: str, prompts: list[list[int]]) -> None:
