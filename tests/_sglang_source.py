@@ -28,7 +28,8 @@ IO_STRUCT = "sglang/srt/managers/io_struct.py"
 API_TYPES = "sglang/api/v1/api_types.py"
 COMMON = "sglang/srt/utils/common.py"
 TENSOR_BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
-NEEDED = (HTTP_SERVER, IO_STRUCT, API_TYPES, COMMON, TENSOR_BUCKET)
+AUTH = "sglang/srt/utils/auth.py"
+NEEDED = (HTTP_SERVER, IO_STRUCT, API_TYPES, COMMON, TENSOR_BUCKET, AUTH)
 
 # The files we read are pure Python, identical in every wheel of a release: ask for one fixed tag so the
 # download does not depend on the interpreter running the tests.
@@ -128,6 +129,28 @@ def http_routes() -> dict[str, frozenset[str]]:
                 continue
             routes.setdefault(path, set()).update(m.upper() for m in methods)
     return {p: frozenset(m) for p, m in routes.items()}
+
+
+@cache
+def route_auth_levels() -> dict[str, str]:
+    """Route path -> the ``AuthLevel`` member its function is decorated with (``NORMAL`` when undecorated)."""
+    _, tree = _tree(HTTP_SERVER)
+    levels: dict[str, str] = {}
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        level = "NORMAL"
+        for dec in fn.decorator_list:
+            if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Name) and dec.func.id == "auth_level"
+                    and dec.args and isinstance(dec.args[0], ast.Attribute)):
+                level = dec.args[0].attr
+        for dec in fn.decorator_list:
+            if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.func.attr != "exception_handler"
+                    and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "app" and dec.args):
+                path = _route_path(dec.args[0])
+                if path is not None:
+                    levels[path] = level
+    return levels
 
 
 # ---------------------------------------------------------------- io_struct.py: request classes

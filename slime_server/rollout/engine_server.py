@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig, Sequence
+from slime_server.rollout.engine_auth import add_api_keys
 from slime_server.rollout.engine_weights import add_weight_routes
 from slime_server.rollout.protocol import (
     AbortReq,
@@ -175,9 +176,11 @@ class GenerateHandler:
 
 
 def create_app(engine: CPUEngine, served_model_name: str | None = None,
-               health_timeout_s: float = HEALTH_GENERATE_TIMEOUT_S) -> FastAPI:
-    """The FastAPI app around ``engine`` (the caller owns the engine's lifetime)."""
+               health_timeout_s: float = HEALTH_GENERATE_TIMEOUT_S, api_key: str | None = None,
+               admin_api_key: str | None = None) -> FastAPI:
+    """The FastAPI app around ``engine`` (the caller owns the engine's lifetime), guarded by SGLang's key rule."""
     app = FastAPI(title="slime-server CPU engine (SGLang protocol)")
+    add_api_keys(app, api_key, admin_api_key)
     handler = GenerateHandler(engine)
     counters = {"generate": 0}
 
@@ -286,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--health-check-timeout", type=float, default=HEALTH_GENERATE_TIMEOUT_S,
                     help="/health_generate waits this long for scheduler progress (SGLang: 20 s)")
+    ap.add_argument("--api-key", default=None, help="as SGLang's: every route but /health*, /ready, /metrics "
+                    "needs 'Authorization: Bearer KEY'")
+    ap.add_argument("--admin-api-key", default=None, help="as SGLang's: the admin routes (weight updates, pause, "
+                    "abort, flush) need this key instead")
     ap.add_argument("--log-level", default="warning")
     return ap
 
@@ -305,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         yield
         engine.shutdown()
 
-    app = create_app(engine, args.served_model_name, health_timeout_s=args.health_check_timeout)
+    app = create_app(engine, args.served_model_name, health_timeout_s=args.health_check_timeout,
+                     api_key=args.api_key, admin_api_key=args.admin_api_key)
     app.router.lifespan_context = lifespan
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
