@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from slime_server.config import ConfigError, ServerSettings, load_settings, split_passthrough
+from slime_server.config import ConfigError, ServerSettings, SetupError, load_settings, split_passthrough
 
 
 class Subcommand(Protocol):
@@ -45,11 +45,15 @@ SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--num-engines": ("engine.num_engines", int),
     "--engine-kind": ("engine.kind", str),
     "--max-running-requests": ("engine.max_running_requests", int),
+    "--engine-host": ("engine.host", str),
+    "--insecure-engines": ("engine.insecure", bool),
+    "--insecure-gateway": ("gateway.insecure", bool),
     "--router-policy": ("router.policy", str),
     "--router-host": ("router.host", str),
     "--router-port": ("router.port", int),
     "--ray-address": ("ray.address", str),
     "--ray-num-cpus": ("ray.num_cpus", int),
+    "--ray-auth-token-file": ("ray.auth_token_file", str),
     "--trainer-num-ranks": ("trainer.num_ranks", int),
     "--trainer-tp-size": ("trainer.tp_size", int),
     "--trainer-work-dir": ("trainer.work_dir", str),
@@ -120,7 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from slime_server.utils.logs import setup_logging
 
     setup_logging(settings.log.level, settings.log.format)
-    return commands[args.command].run(args, settings)
+    try:
+        return commands[args.command].run(args, settings)
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 class _Stop(Exception):

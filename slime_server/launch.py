@@ -16,8 +16,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from slime_server.config import EngineSettings, ServerSettings, TrainerSettings
+from slime_server.config import EngineSettings, ServerSettings, SetupError, TrainerSettings
 from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, log_path_for
+from slime_server.rollout.engine_auth import engine_key
 from slime_server.rollout.router import RouterProcess
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,50 @@ def ray_cpus_needed(settings: ServerSettings) -> int:
                      + (0 if tr.colocate else tr.num_ranks * tr.num_cpus_per_rank))
 
 
+class RayAuthError(SetupError):
+    """The Ray cluster wants a token this process does not have (or has a different one)."""
+
+
+def use_ray_token(token_file: str | None) -> None:
+    """Make this process (and the Ray workers it starts) present the cluster's token: Ray reads
+    ``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN_PATH`` from the environment when it connects."""
+    if token_file is None:
+        return
+    path = Path(token_file).expanduser()
+    if not path.is_file() or not path.read_text().strip():
+        raise RayAuthError(f"ray.auth_token_file {path} is missing or empty (make one with "
+                           "`python -c 'import secrets; print(secrets.token_hex(32))' > FILE`, chmod 600)")
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path.resolve())
+    # Ray read its config when it was imported: re-read it, as Ray's own token setup does
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def check_ray_auth(address: str) -> None:
+    """Fail fast, naming the fix, when the cluster at ``address`` refuses this process's token (or lack of
+    one); ``ray.init`` itself retries for ~20 s and then blames a crashed cluster."""
+    if address == "auto" or "://" in address:
+        return
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    try:
+        GcsClient(address=address).internal_kv_get(b"slime-server-auth-probe", b"", timeout=10)
+    except AuthenticationError as e:
+        has = os.environ.get("RAY_AUTH_MODE") == "token"
+        why = ("the token this server presents is not the cluster's" if has else
+               "it runs with RAY_AUTH_MODE=token and this server has no token")
+        raise RayAuthError(
+            f"the Ray cluster at {address} refused this server's token: {why}. Give this server the cluster's "
+            "token file: --ray-auth-token-file FILE (or SLIME_RAY__AUTH_TOKEN_FILE), the file every Ray node "
+            "was started with (RAY_AUTH_TOKEN_PATH)") from e
+    except Exception:  # noqa: BLE001 - unreachable, timed out, ...: ray.init reports those in its own words
+        return
+
+
 def _init_ray(settings: ServerSettings) -> bool:
     """Start (or join) Ray; returns True when this call started it and so must shut it down."""
     import ray
@@ -51,6 +96,7 @@ def _init_ray(settings: ServerSettings) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    use_ray_token(settings.ray.auth_token_file)
     common: dict[str, Any] = dict(namespace=settings.ray.namespace, log_to_driver=False,
                                   include_dashboard=False, configure_logging=False)
     # Ray's core worker installs its own SIGTERM handler (log + re-raise: exit 143, no cleanup);
@@ -58,6 +104,7 @@ def _init_ray(settings: ServerSettings) -> bool:
     main_thread = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     if settings.ray.address:
+        check_ray_auth(settings.ray.address)
         ray.init(address=settings.ray.address, **common)
     else:
         num_cpus = settings.ray.num_cpus or max(os.cpu_count() or 1, ray_cpus_needed(settings), 1)
@@ -81,7 +128,19 @@ class Deployment:
         if settings.engine.sglang_args and settings.engine.kind != "sglang":
             log.warning("engine.kind is %r: ignoring sglang_args %s", settings.engine.kind,
                         sorted(settings.engine.sglang_args))
-        self.router = RouterProcess(settings.router, log_path=log_path_for(self.log_dir, "router"))
+        eng = settings.engine
+        self.engine_api_key = engine_key(eng.host, eng.api_key, eng.insecure)
+        if self.engine_api_key and not eng.api_key:
+            key_file = self.log_dir / "engine_api_key"
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+                os.write(fd, self.engine_api_key.encode())
+            finally:
+                os.close(fd)
+            log.warning("engines listen on %s: generated their API key (in %s)", eng.host, key_file)
+        self.router = RouterProcess(settings.router, log_path=log_path_for(self.log_dir, "router"),
+                                    api_key=self.engine_api_key)
         self._actors: dict[str, Any] = {}  # url -> Ray actor handle
         self._owns_ray = False
         self._next_index = 0
@@ -114,7 +173,8 @@ class Deployment:
             name = f"engine-{self._next_index}"
             self._next_index += 1
         return EngineSpec(
-            kind=engine.kind, model_path=self.model_path, host=engine.host,
+            kind=engine.kind, model_path=self.model_path, host=engine.host, api_key=self.engine_api_key,
+            insecure=engine.insecure,
             max_running_requests=engine.max_running_requests, torch_threads=engine.torch_threads,
             sglang_args=engine.sglang_args, startup_timeout_s=engine.startup_timeout_s,
             health_interval_s=engine.health_interval_s, log_path=log_path_for(self.log_dir, name),
@@ -127,7 +187,7 @@ class Deployment:
         eng = self.settings.engine
         gpus = eng.num_gpus_per_engine if eng.kind == "sglang" else 0
         remote_cls = ray.remote(self.actor_cls).options(num_cpus=eng.num_cpus_per_engine, num_gpus=gpus,
-                                                      max_concurrency=4)
+                                                      resources=dict(eng.ray_resources) or None, max_concurrency=4)
         actors = [remote_cls.remote(self._spec(eng)) for _ in range(n)]
         try:
             urls = ray.get([a.url.remote() for a in actors], timeout=eng.startup_timeout_s + 30)
@@ -206,7 +266,8 @@ def _stop_actor(actor: Any) -> None:
 
 
 def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer: Any, loss: dict[str, Any],
-                        temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None) -> Any:
+                        temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
+                        engine_api_key: str | None = None) -> Any:
     """Megatron-core ranks for one job as Ray actors (TP x DP over gloo on CPU, nccl on GPU), set up.
 
     Colocated ranks reserve no CPU of their own: they share the engines' share and the loop pauses
@@ -221,10 +282,10 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
         train=TrainStepSettings(temperature=temperature, loss=LossConfig(**loss),
                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch
                                 or trainer.max_tokens_per_micro_batch),
-        megatron_args=trainer.megatron_args)
+        megatron_args=trainer.megatron_args, engine_api_key=engine_api_key, weight_sync=trainer.weight_sync)
     group = TrainerGroup(rank_settings, trainer.num_ranks,
                          num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,
-                         num_gpus_per_rank=trainer.num_gpus_per_rank)
+                         num_gpus_per_rank=trainer.num_gpus_per_rank, resources=trainer.ray_resources)
     try:
         group.setup()
     except BaseException:

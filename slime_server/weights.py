@@ -405,13 +405,31 @@ def payload_tensors(obj: Any, load_format: str | None) -> list[tuple[str, torch.
 # ---------------------------------------------------------------- process group (/init_weights_update_group)
 
 
+def host_weight_rendezvous(master_address: str, master_port: int, world_size: int,
+                           timeout_s: float = 600.0) -> Any:
+    """Rank 0's rendezvous server (a TCPStore master), held apart from the group it forms.
+
+    Why apart: torch's ``tcp://`` rendezvous keeps the server inside the group's own store, so the port
+    stays open (on every interface, with no authentication) for as long as the group lives, which for
+    weight pushes is the whole job. Held here, the caller drops it once every member has joined, and the
+    port is open only while a group forms; gloo needs no store after its mesh is connected. Rank 0 then
+    joins as a client (``open_weight_group(..., hosted=True)``)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(master_address, master_port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                    wait_for_workers=False, multi_tenant=False)
+
+
 def open_weight_group(master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
-                      backend: str = "gloo", timeout_s: float = 600.0) -> Any:
+                      backend: str = "gloo", timeout_s: float = 600.0, *, hosted: bool = False) -> Any:
     """Join (rank > 0) or create (rank 0) a weight-update group the way SGLang's engines do.
 
     Outside the default process group on purpose: the trainer already has one (Megatron's), the CPU
-    engine has none. Returns a ProcessGroup for ``torch.distributed.broadcast(t, src=0, group=pg)``.
+    engine has none. ``hosted``: the rendezvous server runs apart (``host_weight_rendezvous``), so every
+    rank, 0 included, connects to it as a client. Returns a ProcessGroup for
+    ``torch.distributed.broadcast(t, src=0, group=pg)``.
     """
+    from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -422,7 +440,10 @@ def open_weight_group(master_address: str, master_port: int, world_size: int, ra
 
     host = f"[{master_address}]" if ":" in master_address and not master_address.startswith("[") else master_address
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+    if hosted:
+        store = TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+    else:
+        store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)  # SGLang's outer prefix: without it the ranks never meet
     with _gloo_interface_towards(master_address if backend == "gloo" else None):

@@ -3,6 +3,7 @@ committed file true. The deployment files parse and wire the services together."
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -47,6 +48,26 @@ def test_compose_file_wires_head_workers_and_server() -> None:
     ServerSettings.model_validate({"engine": {"host": env["SLIME_ENGINE__HOST"]},
                                    "gateway": {"host": env["SLIME_GATEWAY__HOST"],
                                                "db_path": env["SLIME_GATEWAY__DB_PATH"]}})
+    _assert_secured(spec)
+
+
+def _assert_secured(spec: dict) -> None:
+    """Every Ray process demands the cluster token; the server has the engine key (it hands it to the engines
+    it starts) and the admin key, from secret files into its environment, never into argv or this file."""
+    services = spec["services"]
+    assert set(spec["secrets"]) == {"ray_token", "engine_api_key", "admin_api_key"}
+    for name, svc in services.items():  # all three run Ray processes (the server is a Ray driver)
+        env = svc["environment"]
+        env = env if isinstance(env, dict) else dict(e.split("=", 1) for e in env)
+        assert env["RAY_AUTH_MODE"] == "token", name
+        assert env["RAY_AUTH_TOKEN_PATH"] == "/run/secrets/ray_token", name
+        assert "ray_token" in [s if isinstance(s, str) else s["source"] for s in svc["secrets"]], name
+    server = services["server"]
+    assert {s if isinstance(s, str) else s["source"] for s in server["secrets"]} == set(spec["secrets"])
+    script = " ".join(server["command"])
+    assert 'SLIME_ENGINE__API_KEY="$$(cat /run/secrets/engine_api_key)"' in script
+    assert 'SLIME_GATEWAY__ADMIN_API_KEY="$$(cat /run/secrets/admin_api_key)"' in script
+    assert "--ray-auth-token-file /run/secrets/ray_token" in script and "exec slime-server serve" in script
 
 
 def _compose() -> list[str] | None:
@@ -63,3 +84,10 @@ def test_docker_compose_config() -> None:
     r = subprocess.run([*compose, "-p", "slime-server", "-f", str(ROOT / "deploy" / "docker-compose.yml"), "config",
                         "-q"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    r = subprocess.run([*compose, "-p", "slime-server", "-f", str(ROOT / "deploy" / "docker-compose.yml"), "config"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "SLIME_SECRETS": "/s"})
+    assert r.returncode == 0, r.stderr
+    rendered = yaml.safe_load(r.stdout)  # what compose itself makes of the file: merge keys and variables applied
+    _assert_secured(rendered)
+    assert {k: v["file"] for k, v in rendered["secrets"].items()} == {
+        s: f"/s/{s}" for s in ("ray_token", "engine_api_key", "admin_api_key")}

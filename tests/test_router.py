@@ -56,7 +56,7 @@ def test_build_router_cmd_sets_ports_policy_and_extra_args() -> None:
     s = RouterSettings(policy="cache_aware", host="127.0.0.1", extra_args={"queue_size": 8, "disable_retries": True,
                                                                           "cors_allowed_origins": ["a", "b"]})
     cmd = build_router_cmd(s, port=1234, prometheus_port=1235, worker_urls=["http://127.0.0.1:1"])
-    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    assert cmd[1:3] == ["-m", "slime_server.rollout.router_launch"]  # sgl-router's launcher + the key from env
     pairs = dict(zip(cmd[3::1], cmd[4::1], strict=False))
     assert pairs["--port"] == "1234" and pairs["--prometheus-port"] == "1235" and pairs["--policy"] == "cache_aware"
     assert cmd[cmd.index("--worker-urls") + 1] == "http://127.0.0.1:1"

@@ -96,6 +96,14 @@ def test_push_matches_trainer_model(megatron, engines, mode):
     assert (ids, lps) != (before_ids, before_lps)  # the push really changed what the engine serves
 
 
+def _listening(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((host, port)) == 0
+
+
 def test_distributed_megatron_forward_parity(megatron, engines):
     """The broadcast path lands the same weights; checked against the Megatron forward itself."""
     from slime_server.trainer.model import forward_logits
@@ -105,7 +113,12 @@ def test_distributed_megatron_forward_parity(megatron, engines):
     perturbed(model, seed=2)
     with WeightPusher([url], bucket_bytes=2**20, mode="distributed", sender=True) as pusher:
         stats = pusher.push(iter_hf_tensors(model), version="v-dist")
-    assert stats.buckets > 1 and version_of(url) == "v-dist"
+        # the rendezvous port was open only while the group formed; the group itself lives on
+        port = pusher.rendezvous_port
+        assert port and not _listening(pusher.master_address, port)
+        assert pusher.push(iter_hf_tensors(model), version="v-dist2").mode == "distributed"
+        assert pusher.rendezvous_port == port  # the same group: no new rendezvous
+    assert stats.buckets > 1 and version_of(url) == "v-dist2"
     ids, lps, _ = greedy(url)
     with torch.no_grad():
         logits = forward_logits(model, torch.tensor([PROMPT + ids]))[0, len(PROMPT) - 1:-1].float()

@@ -2,7 +2,8 @@
 the trainer side in one, a CPU engine process in the other. Nothing is shared but the wire and the disk
 the checkpoint is read from, so the pusher picks SGLang's distributed path by itself (the engine's
 address is not this host's), forms the gloo group through SGLang's rendezvous across the link, and
-broadcasts a >= 200 MB model; the engine then serves exactly the pushed weights."""
+broadcasts a >= 200 MB model; the engine then serves exactly the pushed weights. The engine listens on its
+link address, so it must have an API key (it refuses to start without one): every call sends it."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import pytest
 from _tools_helpers import load_tool
 
 from slime_server.models.tiny import ensure_tiny_model
+from slime_server.rollout.engine_auth import KEY_ENV
 from slime_server.utils.procs import kill_group, spawn
 
 pytestmark = pytest.mark.timeout(420)
 NET = "10.213.7"  # the two test hosts' own link (made here, removed after)
+KEY = "netns-engine-key"
 
 
 def _ip(*args: str) -> None:
@@ -54,19 +57,19 @@ TRAINER = textwrap.dedent("""
     import json, sys, httpx, torch
     from transformers import AutoModelForCausalLM
     from slime_server.trainer.weight_push import WeightPusher
-    url, ckpt, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    url, ckpt, out, key = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.02)
     named = [(n, t) for n, t in model.state_dict().items() if n != "lm_head.weight"]
-    with WeightPusher([url], bucket_bytes=64 * 2**20, sender=True) as pusher:
+    with WeightPusher([url], bucket_bytes=64 * 2**20, sender=True, api_key=key) as pusher:
         stats = pusher.push(iter(named), version="netns-1")
     prompt = [5, 6, 7, 8, 9]
     body = {"input_ids": prompt, "return_logprob": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
-    served = httpx.post(f"{url}/generate", json=body, timeout=120).json()
+    served = httpx.post(f"{url}/generate", json=body, timeout=120, headers={"Authorization": f"Bearer {key}"}).json()
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
     json.dump({"mode": stats.mode, "bytes": stats.bytes, "gbps": stats.gbps, "buckets": stats.buckets,
@@ -83,14 +86,14 @@ def test_distributed_push_between_two_network_namespaces(two_hosts: tuple[str, s
     assert sum(t.numel() * t.element_size() for t in state.values()) >= 200e6
     engine = spawn(["ip", "netns", "exec", b, sys.executable, "-m", "slime_server.rollout.engine_server",
                     "--model-path", str(ckpt), "--host", f"{NET}.2", "--port", "30777", "--num-threads", "1"],
-                   env={"OMP_NUM_THREADS": "1"}, log_path=str(tmp_path / "engine.log"))
+                   env={"OMP_NUM_THREADS": "1", KEY_ENV: KEY}, log_path=str(tmp_path / "engine.log"))
     try:
         out = tmp_path / "result.json"
         wait = (f"import httpx,time\nfor _ in range(600):\n  try:\n    httpx.get('http://{NET}.2:30777/health')"
                 f".raise_for_status(); break\n  except Exception: time.sleep(0.2)\nelse: raise SystemExit(1)")
         subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", wait], check=True, timeout=180)
         subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", TRAINER, f"http://{NET}.2:30777",
-                        str(ckpt), str(out)], check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                        str(ckpt), str(out), KEY], check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     finally:
         kill_group(engine)
     import json

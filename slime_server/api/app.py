@@ -145,8 +145,10 @@ def _safe_key_hash(gw: Gateway):
 
 
 def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
-               settings: GatewaySettings | None = None, model_name: str | None = None) -> FastAPI:
-    """Build the gateway app over a router (or a single engine) speaking SGLang's ``/generate``."""
+               settings: GatewaySettings | None = None, model_name: str | None = None,
+               engine_api_key: str | None = None) -> FastAPI:
+    """Build the gateway app over a router (or a single engine) speaking SGLang's ``/generate``;
+    ``engine_api_key`` is the deployment's engine key, which the router demands too."""
     from slime_server.api import dashboard, routes_admin, routes_jobs, routes_openai, routes_sessions
 
     settings = settings or GatewaySettings()
@@ -160,7 +162,7 @@ def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
     app = FastAPI(title="slime-server gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over sgl-router; every call is recorded token-exactly.")
     app.state.gw = Gateway(settings=settings, model_name=name,
-                           engine=EngineClient(router_url, timeout=settings.engine_timeout_s),
+                           engine=EngineClient(router_url, timeout=settings.engine_timeout_s, api_key=engine_api_key),
                            renderer=renderer, sessions=sessions, store=store)
     source = getattr(store, "url", None) or getattr(store, "path", None)
     if source:  # minted keys live beside the trajectories (same SQLite file or Postgres database)

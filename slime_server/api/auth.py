@@ -26,8 +26,28 @@ from fastapi import Request
 
 from slime_server.api.errors import APIError
 from slime_server.buffer.key_store import hash_secret, parse_key
+from slime_server.config import SetupError
 
 SESSION_KEY_PREFIX = "sk-sess-"
+
+
+class GatewayExposureError(SetupError):
+    """The gateway would listen beyond loopback with no admin key: anyone who reaches it is admin."""
+
+
+def check_bind(host: str, admin_api_key: str | None, insecure: bool) -> bool:
+    """Refuse a gateway on a non-loopback ``host`` without an admin key unless ``insecure``; True when it
+    will run exposed that way (the caller warns). Only the admin key counts: ``api_key`` is what agents hold."""
+    from slime_server.utils.net import is_loopback
+
+    if admin_api_key or is_loopback(host):
+        return False
+    if not insecure:
+        raise GatewayExposureError(
+            f"refusing to serve on {host} without an admin key: anyone who reaches the port could start jobs, "
+            "mint keys and read every trajectory. Set gateway.admin_api_key (--admin-api-key or "
+            "SLIME_GATEWAY__ADMIN_API_KEY), bind to 127.0.0.1, or pass --insecure-gateway to accept the risk")
+    return True
 Role = Literal["admin", "agent", "session"]
 
 

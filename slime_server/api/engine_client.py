@@ -17,6 +17,7 @@ import httpx
 from pydantic import ValidationError
 
 from slime_server.api.errors import APIError
+from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.protocol import GenerateOutput
 
 
@@ -25,11 +26,14 @@ class EngineError(APIError):
 
 
 class EngineClient:
-    def __init__(self, base_url: str, *, timeout: float = 600.0, max_connections: int = 256) -> None:
+    def __init__(self, base_url: str, *, timeout: float = 600.0, max_connections: int = 256,
+                 api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # the engine key goes with every call (generate, abort, dashboard probes); a client's own
+        # Authorization header is never forwarded
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0),
-                                       limits=limits)
+                                       limits=limits, headers=auth_headers(api_key))
 
     @property
     def http(self) -> httpx.AsyncClient:

@@ -74,7 +74,7 @@ class RunningServer:
 
 def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls: Any,
                 default_evals: list[tuple[str, str]] | None = None, eval_env: str | None = None,
-                push_guard: Any = None) -> Any:
+                push_guard: Any = None, engine_api_key: str | None = None) -> Any:
     """A JobManager over the gateway's store (jobs in the same SQLite file), restored from it.
 
     ``push_guard`` (``EngineSupervisor.updating_weights``) is entered by every job's loop around its weight
@@ -89,7 +89,8 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
         temperature = spec.data.temperature if spec.data.source == "dataset" and spec.data.temperature > 0 else 1.0
         return start_trainer_group(model_path, tr, optimizer=spec.optimizer, loss=spec.loss_config(),
                                    temperature=temperature,
-                                   max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch)
+                                   max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
+                                   engine_api_key=engine_api_key)
 
     def configure_loop(loop: Any) -> None:
         if push_guard is not None:
@@ -101,7 +102,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     jobs = JobManager(gw.store, open_job_store(gw.settings.db_path), make_trainer, engine_urls, tr.work_dir,
                       served_model=gw.model_name, loop_hook=configure_loop,
                       gateway_url=f"http://{host}:{gw.settings.port}/v1", api_key=gw.settings.api_key,
-                      default_evals=default_evals or [], default_eval_env=eval_env)
+                      default_evals=default_evals or [], default_eval_env=eval_env, engine_api_key=engine_api_key)
     gw.jobs = jobs
     restored = jobs.restore()
     if restored:
@@ -139,9 +140,12 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
                  judge_engine_model: str | None = None, judge_engines: int = 1) -> RunningServer:
     """Engines + router under Ray, the job manager (trainer ranks start per job), the gateway in front
     (and, with ``judge_engine_model``, the online judge on engines and a router of its own)."""
+    from slime_server.api.auth import check_bind
     from slime_server.api.server import build_gateway
     from slime_server.launch import Deployment, resolve_model_path
 
+    if check_bind(gw_settings.host, gw_settings.admin_api_key, gw_settings.insecure):  # before anything starts
+        print(f"warning: serving on {gw_settings.host} with no admin key (--insecure-gateway)", flush=True)
     model_path = resolve_model_path(settings.engine.model)
     if gw_settings.served_model_name is None and model_path != settings.engine.model:  # "tiny", "smollm2"
         gw_settings = gw_settings.model_copy(update={"served_model_name": settings.engine.model})
@@ -161,11 +165,11 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
                 update={"base_url": judge.base_url, "model": None, "api_key": "none"})})
             print(f"judge_base_url: {judge.base_url} (router {judge.deployment.router_url}, "
                   f"{judge_engines} engine(s), calls recorded in {judge.db_path})", flush=True)
-        app = build_gateway(dep.router_url, model_path, gw_settings)
-        supervisor = EngineSupervisor(lambda: dep.engine_urls, dep.router)
+        app = build_gateway(dep.router_url, model_path, gw_settings, engine_api_key=dep.engine_api_key)
+        supervisor = EngineSupervisor(lambda: dep.engine_urls, dep.router, api_key=dep.engine_api_key)
         if trainer:  # weights go to the engines in rotation; a restarted one is caught up on its own
             jobs = attach_jobs(app.state.gw, settings, model_path, supervisor.serving_urls, default_evals, eval_env,
-                               push_guard=supervisor.updating_weights)
+                               push_guard=supervisor.updating_weights, engine_api_key=dep.engine_api_key)
             supervisor.catch_up = jobs.catch_up_engine
         supervisor.start()
         if online is not None:

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
 from slime_server.api.app import create_app
+from slime_server.api.auth import GatewayExposureError, check_bind
 from slime_server.config import GatewaySettings
 from slime_server.utils.logs import setup_logging
 
 
-def build_gateway(router_url: str, model_path: str | Path, settings: GatewaySettings) -> FastAPI:
+def build_gateway(router_url: str, model_path: str | Path, settings: GatewaySettings,
+                  engine_api_key: str | None = None) -> FastAPI:
     """Wire renderer, store (a SQLite file, or Postgres shared by replicas) and session manager into the app."""
     from slime_server.api.chat_template import ChatRenderer
     from slime_server.buffer.open import open_store
@@ -30,7 +34,7 @@ def build_gateway(router_url: str, model_path: str | Path, settings: GatewaySett
     sessions = SessionManager(store, renderer)
     name = settings.served_model_name or Path(model_path).name
     return create_app(router_url=router_url, renderer=renderer, sessions=sessions, store=store,
-                      settings=settings, model_name=name)
+                      settings=settings, model_name=name, engine_api_key=engine_api_key)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--db-path", default="slime_server.db")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--admin-api-key", default=None)
+    ap.add_argument("--insecure-gateway", action="store_true", help="serve beyond loopback with no admin key")
     ap.add_argument("--settings-json", default="{}", help="more GatewaySettings fields as JSON (limits, CORS, ...)")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--tool-parser", default="auto", help="auto (from the chat template) | hermes | llama3_json | mistral")
@@ -61,7 +66,14 @@ def main(argv: list[str] | None = None) -> None:
         "reasoning_parser": a.reasoning_parser or None, "engine_supports_penalties": a.engine_supports_penalties,
         **json.loads(a.settings_json)})
     setup_logging(a.log_level, a.log_format)
-    app = build_gateway(a.router_url, a.model_path, settings)
+    try:
+        if check_bind(a.host, settings.admin_api_key, a.insecure_gateway or settings.insecure):
+            logging.getLogger(__name__).warning("serving on %s with no admin key (--insecure-gateway)", a.host)
+    except GatewayExposureError as e:
+        raise SystemExit(f"error: {e}") from None
+    # the engines' key (SGLang's --api-key; the router demands it too): the settings' env var, never a
+    # flag that `ps` would show
+    app = build_gateway(a.router_url, a.model_path, settings, engine_api_key=os.environ.get("SLIME_ENGINE__API_KEY"))
     if a.online:
         from slime_server.api.serve_cmd import attach_online
         from slime_server.online.feedback import OnlineSettings

@@ -68,7 +68,8 @@ def start_judge_deployment(settings: ServerSettings, model: str, num_engines: in
         port = find_free_port()
         db_path = str(dep.log_dir / "judge_trajectories.db")
         app = build_gateway(dep.router_url, resolve_model_path(model),
-                            GatewaySettings(host="127.0.0.1", port=port, db_path=db_path))
+                            GatewaySettings(host="127.0.0.1", port=port, db_path=db_path),
+                            engine_api_key=dep.engine_api_key)
         gateway = GatewayThread(app, "127.0.0.1", port).start()
     except BaseException:
         dep.shutdown()

@@ -19,6 +19,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from slime_server.config import EngineKind
+from slime_server.rollout.engine_auth import KEY_ENV, check_exposure
 from slime_server.rollout.owned import spawn_owned
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group
@@ -31,6 +32,8 @@ class EngineSpec(BaseModel):
     model_path: str
     host: str = "127.0.0.1"
     port: int = Field(0, description="0 picks a free port on the actor's node")
+    api_key: str | None = Field(None, description="SGLang's --api-key (the deployment's engine key)")
+    insecure: bool = Field(False, description="allow a non-loopback host with no key (--insecure-engines)")
     max_running_requests: int = 32
     torch_threads: int = 1
     sglang_args: dict[str, Any] = Field(default_factory=dict)
@@ -50,29 +53,43 @@ class EngineStatus(BaseModel):
     restarts: int
     kind: EngineKind
     node_ip: str
+    node_id: str | None = Field(None, description="the Ray node (None outside Ray)")
     log_path: str | None = None
 
 
 def engine_command(spec: EngineSpec, port: int) -> list[str]:
-    """The server command line for ``spec`` on ``port``."""
+    """The server command line for ``spec`` on ``port``. SGLang takes its key only as ``--api-key``; the CPU
+    engine gets it in its environment (``engine_env``), out of ``ps``'s sight."""
     if spec.kind == "sglang":
         from slime_server.config import EngineSettings
         from slime_server.rollout.sglang_launcher import build_sglang_command
 
         engine = EngineSettings(kind="sglang", host=spec.host, max_running_requests=spec.max_running_requests,
                                 sglang_args=spec.sglang_args)
-        return build_sglang_command(engine, spec.model_path, port)
+        return build_sglang_command(engine, spec.model_path, port, api_key=spec.api_key)
     return [
         sys.executable, "-m", "slime_server.rollout.engine_server",
         "--model-path", spec.model_path, "--host", spec.host, "--port", str(port),
         "--max-running-requests", str(spec.max_running_requests), "--num-threads", str(spec.torch_threads),
+        *(["--insecure-engines"] if spec.insecure else []),
     ]
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    """Environment of the engine process: thread counts, the CPU engine's key, the spec's extras."""
+    env = {"OMP_NUM_THREADS": str(spec.torch_threads), "TOKENIZERS_PARALLELISM": "false"}
+    if spec.kind == "cpu" and spec.api_key:
+        env[KEY_ENV] = spec.api_key
+    return {**env, **spec.extra_env}
 
 
 class EngineActor:
     """Starts, watches, restarts and stops one engine server process."""
 
     def __init__(self, spec: EngineSpec, start: bool = True, monitor: bool = True) -> None:
+        if check_exposure(spec.host, spec.api_key, spec.insecure):  # SGLang itself would start keyless
+            print(f"[engine-actor] warning: engine on {spec.host} has no API key (--insecure-engines)",
+                  file=sys.stderr, flush=True)
         self.spec = spec
         self.port = spec.port or find_free_port(spec.host)
         self.restarts = 0
@@ -107,9 +124,7 @@ class EngineActor:
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 return self.url()
-            env = {"OMP_NUM_THREADS": str(self.spec.torch_threads), "TOKENIZERS_PARALLELISM": "false",
-                   **self.spec.extra_env}
-            self._proc = spawn_owned(self.command(), env=env, log_path=self.spec.log_path)
+            self._proc = spawn_owned(self.command(), env=engine_env(self.spec), log_path=self.spec.log_path)
             self._ensure_monitor()  # from here on a dead engine is brought back, even if this start fails
             try:
                 wait_http_ok(f"{self.url()}/health", timeout=self.spec.startup_timeout_s, proc=self._proc)
@@ -134,7 +149,7 @@ class EngineActor:
     def status(self) -> EngineStatus:
         alive = self._proc is not None and self._proc.poll() is None
         return EngineStatus(url=self.url(), pid=self.pid(), alive=alive, healthy=alive and self.healthy(),
-                            restarts=self.restarts, kind=self.spec.kind, node_ip=_node_ip(),
+                            restarts=self.restarts, kind=self.spec.kind, node_ip=_node_ip(), node_id=_node_id(),
                             log_path=self.spec.log_path)
 
     def restart(self) -> str:
@@ -185,6 +200,15 @@ def _node_ip() -> str:
     except ImportError:
         pass
     return socket.gethostbyname(socket.gethostname())
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except ImportError:
+        return None
 
 
 def log_path_for(log_dir: str | Path | None, name: str) -> str | None:

@@ -7,6 +7,10 @@ but health, readiness and metrics with ``Authorization: Bearer <key>``; the admi
 pause/continue, abort, flush) take ``--admin-api-key`` when one is set (and then only it), else the API
 key; a refusal is 401 ``{"error": "Unauthorized"}``. ``tests/test_sglang_contract.py`` checks the admin
 route set against SGLang's own decorators.
+
+The deployment side (``engine_key``, ``check_exposure``): one key per deployment, generated when engines
+bind beyond loopback; an engine that would listen on the network with no key refuses to start unless the
+user says ``--insecure-engines``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.responses import JSONResponse
+
+from slime_server.config import SetupError
+from slime_server.utils.net import is_loopback
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -27,6 +34,42 @@ ADMIN_ROUTES = frozenset({
     "/continue_generation",
 })
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # k8s probes and scrapers, never keyed (prefix match)
+KEY_ENV = "SLIME_SERVER_ENGINE_KEY"  # how a CPU engine gets its key without showing it in `ps`
+
+
+class InsecureEngineError(SetupError):
+    """An engine would listen beyond loopback with no key: anyone on the network could swap its weights."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__(
+            f"refusing to start an engine on {host} without an API key: anyone who reaches it could replace the "
+            "policy's weights or abort every rollout. Set engine.api_key (SLIME_ENGINE__API_KEY; `serve` and "
+            "`engines` generate one for you), bind to 127.0.0.1, or pass --insecure-engines to accept the risk")
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool) -> bool:
+    """Raise InsecureEngineError for a keyless engine beyond loopback unless ``insecure``; True when the
+    engine will run exposed (the caller logs a warning)."""
+    if api_key or is_loopback(host):
+        return False
+    if not insecure:
+        raise InsecureEngineError(host)
+    return True
+
+
+def engine_key(host: str, api_key: str | None, insecure: bool) -> str | None:
+    """The deployment's engine key: the configured one; else a fresh random one when engines bind beyond
+    loopback (unless ``insecure``); else None (loopback engines stay keyless, as SGLang's default)."""
+    if api_key:
+        return api_key
+    if insecure or is_loopback(host):
+        return None
+    return secrets.token_urlsafe(32)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """What every client of the engines (router, gateway, supervisor, trainer) sends: SGLang's Bearer header."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _bearer_is(header: str | None, key: str) -> bool:

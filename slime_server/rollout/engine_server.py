@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig, Sequence
-from slime_server.rollout.engine_auth import add_api_keys
+from slime_server.rollout.engine_auth import KEY_ENV, InsecureEngineError, add_api_keys, check_exposure
 from slime_server.rollout.engine_weights import add_weight_routes
 from slime_server.rollout.protocol import (
     AbortReq,
@@ -293,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "needs 'Authorization: Bearer KEY'")
     ap.add_argument("--admin-api-key", default=None, help="as SGLang's: the admin routes (weight updates, pause, "
                     "abort, flush) need this key instead")
+    ap.add_argument("--insecure-engines", action="store_true", help="start on a non-loopback --host with no "
+                    "--api-key (anyone on the network may then swap weights); refused otherwise")
     ap.add_argument("--log-level", default="warning")
     return ap
 
@@ -302,6 +305,14 @@ def main(argv: list[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    api_key = args.api_key or os.environ.get(KEY_ENV) or None
+    try:
+        exposed = check_exposure(args.host, api_key or args.admin_api_key, args.insecure_engines)
+    except InsecureEngineError as e:
+        raise SystemExit(f"error: {e}") from None
+    if exposed:
+        log.warning("engine on %s:%d has no API key (--insecure-engines): anyone who reaches it can replace its "
+                    "weights or abort its requests", args.host, args.port)
     config = EngineConfig(model_path=args.model_path, max_running_requests=args.max_running_requests,
                           max_total_tokens=args.max_total_tokens, context_length=args.context_length,
                           weight_version=args.weight_version, seed=args.seed, num_threads=args.num_threads)
@@ -313,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.shutdown()
 
     app = create_app(engine, args.served_model_name, health_timeout_s=args.health_check_timeout,
-                     api_key=args.api_key, admin_api_key=args.admin_api_key)
+                     api_key=api_key, admin_api_key=args.admin_api_key)
     app.router.lifespan_context = lifespan
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 

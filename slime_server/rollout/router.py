@@ -36,6 +36,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from slime_server.config import RouterSettings
+from slime_server.rollout.engine_auth import KEY_ENV, auth_headers
 from slime_server.rollout.owned import spawn_owned
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import cli_flags, kill_group, python_module_cmd
@@ -95,7 +96,7 @@ def build_router_cmd(settings: RouterSettings, port: int, prometheus_port: int,
                      worker_urls: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The exact ``launch_router`` command line for ``settings``."""
     cmd = python_module_cmd(
-        "sglang_router.launch_router",
+        "slime_server.rollout.router_launch",  # sgl-router's launcher; adds --api-key from the environment
         "--host", settings.host,
         "--port", str(port),
         "--policy", settings.policy,
@@ -117,13 +118,17 @@ def build_router_cmd(settings: RouterSettings, port: int, prometheus_port: int,
 class RouterProcess:
     """Starts, queries and stops one sgl-router; the process lives in its own process group."""
 
-    def __init__(self, settings: RouterSettings | None = None, log_path: str | Path | None = None) -> None:
+    def __init__(self, settings: RouterSettings | None = None, log_path: str | Path | None = None,
+                 api_key: str | None = None) -> None:
+        """``api_key``: the engines' key. The router then demands it from its own clients (``/generate``,
+        ``/workers``) and sends it to the engines."""
         self.settings = settings or RouterSettings()
         self.log_path = str(log_path) if log_path else None
         self.port = self.settings.port or find_free_port(self.settings.host)
         self.prometheus_port = find_free_port(self.settings.host)
+        self.api_key = api_key
         self._proc: subprocess.Popen | None = None
-        self._http = httpx.Client(timeout=10.0)
+        self._http = httpx.Client(timeout=10.0, headers=auth_headers(api_key))
 
     @property
     def url(self) -> str:
@@ -138,7 +143,8 @@ class RouterProcess:
         if self._proc is not None and self._proc.poll() is None:
             raise RouterError("router already running")
         cmd = build_router_cmd(self.settings, self.port, self.prometheus_port, worker_urls)
-        self._proc = spawn_owned(cmd, env={"RUST_LOG_STYLE": "never", "NO_COLOR": "1"}, log_path=self.log_path)
+        env = {"RUST_LOG_STYLE": "never", "NO_COLOR": "1", **({KEY_ENV: self.api_key} if self.api_key else {})}
+        self._proc = spawn_owned(cmd, env=env, log_path=self.log_path)
         try:
             wait_http_ok(f"{self.url}/health", timeout=self.settings.startup_timeout_s, proc=self._proc)
         except (TimeoutError, RuntimeError):

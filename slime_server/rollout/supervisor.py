@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 from prometheus_client import Counter, Gauge
 
+from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import (
     MODEL_INFO_PATH,
     engine_weight_version,
@@ -74,7 +75,8 @@ class EngineSupervisor:
 
     def __init__(self, engine_urls: Callable[[], list[str]], router: Any, *, interval_s: float = 0.5,
                  catch_up: Callable[[str], bool] | None = None, health_interval_s: float | None = 10.0,
-                 health_timeout_s: float = 5.0, health_failure_threshold: int = 3) -> None:
+                 health_timeout_s: float = 5.0, health_failure_threshold: int = 3,
+                 api_key: str | None = None) -> None:
         if health_failure_threshold < 1:
             raise ValueError("health_failure_threshold must be >= 1")
         self.engine_urls = engine_urls
@@ -89,8 +91,10 @@ class EngineSupervisor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0))
-        self._health_http = httpx.Client(timeout=httpx.Timeout(health_timeout_s, connect=min(health_timeout_s, 1.0)))
+        headers = auth_headers(api_key)  # the engines' key (their /model_info needs it)
+        self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0), headers=headers)
+        self._health_http = httpx.Client(timeout=httpx.Timeout(health_timeout_s, connect=min(health_timeout_s, 1.0)),
+                                         headers=headers)
         self._known_version: str | None = None  # the newest version seen served (survives all engines dying)
         self._ticks = 0
         # health verdicts (under _lock): consecutive failures, when the last passing probe started

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, Field
@@ -47,6 +47,8 @@ class TrainerRankSettings(BaseModel):
     train: TrainStepSettings = Field(default_factory=TrainStepSettings)
     torch_threads: int = Field(1, ge=1)
     megatron_args: dict[str, Any] = Field(default_factory=dict, description="TransformerConfig overrides")
+    engine_api_key: str | None = Field(None, description="the engines' key (SGLang's --api-key) for weight pushes")
+    weight_sync: Literal["auto", "tensor", "distributed"] = "auto"
 
 
 class TrainerRank:
@@ -150,12 +152,19 @@ class TrainerRank:
         if getattr(self, "_pusher_key", None) != key:
             if getattr(self, "_pusher", None) is not None:
                 self._pusher.close()
-            self._pusher = WeightPusher(list(engine_urls), bucket_bytes=key[1])
+            self._pusher = WeightPusher(list(engine_urls), bucket_bytes=key[1], api_key=self.settings.engine_api_key,
+                                        mode=self.settings.weight_sync)
             self._pusher_key = key
         return self._pusher.push(self.named_hf_tensors(), version=version).model_dump()
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (placement checks)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
         from slime_server.trainer.parallel import destroy_parallel
@@ -170,12 +179,13 @@ class TrainerGroup:
     """``world_size`` TrainerRank Ray actors forming one TP x DP group; calls fan out to all ranks."""
 
     def __init__(self, settings: TrainerRankSettings, world_size: int, *, num_cpus_per_rank: float = 1.0,
-                 num_gpus_per_rank: float = 0.0) -> None:
+                 num_gpus_per_rank: float = 0.0, resources: dict[str, float] | None = None) -> None:
         import ray
 
         if world_size % settings.tp_size:
             raise ValueError(f"world size {world_size} is not divisible by TP {settings.tp_size}")
-        remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank)(TrainerRank)
+        remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
+                                resources=dict(resources or {}) or None)(TrainerRank)
         self.world_size = world_size
         self.actors = [remote_cls.remote(settings) for _ in range(world_size)]
 
@@ -213,6 +223,10 @@ class TrainerGroup:
                      bucket_bytes: int | None = None) -> dict[str, Any]:
         """The sender rank's push stats (raises the sender's ``WeightPushError``)."""
         return next(r for r in self._all("push_weights", list(engine_urls), version, bucket_bytes) if r["sent"])
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of every rank."""
+        return self._all("node_id")
 
     def pids(self) -> list[int]:
         """OS pids of the rank processes (for health checks and fault tests)."""

@@ -38,6 +38,7 @@ from pydantic import BaseModel, Field
 
 from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
+from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_weight_version
 from slime_server.trainer.advantages import AdvantageConfig, compute_advantages, opd_advantages
 from slime_server.trainer.types import TrainSample
@@ -139,9 +140,9 @@ def with_opd(samples: list[TrainSample], weights: OPDWeights | None) -> list[Tra
 class EngineControl:
     """The live engines as the loop sees them: their URLs (which may change) and pause/continue."""
 
-    def __init__(self, urls: Callable[[], list[str]], timeout: float = 60.0) -> None:
+    def __init__(self, urls: Callable[[], list[str]], timeout: float = 60.0, api_key: str | None = None) -> None:
         self.urls = urls
-        self._client = httpx.Client(timeout=timeout)
+        self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key))
 
     def _all(self, path: str, body: dict[str, Any] | None = None) -> None:
         for url in self.urls():
@@ -390,7 +391,8 @@ class TrainLoop:
             with self.push_guard():
                 stats = self.trainer.push_weights(urls, self.state.version, self.settings.bucket_bytes)
         self.on_event("weights_pushed", {"version": self.state.version, "engines": len(urls),
-                                         "seconds": stats.get("seconds"), "bytes": stats.get("bytes")})
+                                         "seconds": stats.get("seconds"), "bytes": stats.get("bytes"),
+                                         "mode": stats.get("mode")})
         return stats
 
 

@@ -24,16 +24,18 @@ all-gather inside ``convert.iter_hf_tensors`` is a collective.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Literal, TypeVar
 
 import httpx
 import torch
 from pydantic import BaseModel, Field
 
+from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_weight_version
 from slime_server.rollout.protocol import (
     ContinueGenerationReqInput,
@@ -56,6 +58,7 @@ from slime_server.weights import (
     flat_size,
     flattened_payload,
     group_by_bytes,
+    host_weight_rendezvous,
     layout_of,
     nbytes,
     open_weight_group,
@@ -172,7 +175,7 @@ class WeightPusher:
                  mode: SyncMode = "auto", rolling: bool = True, *, timeout: float = 600.0,
                  sender: bool | None = None, pause_mode: PauseMode = "retract",
                  engine_tp: Sequence[int] | int = 1, master_address: str | None = None,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, api_key: str | None = None) -> None:
         if not engine_urls:
             raise ValueError("WeightPusher needs at least one engine URL")
         if mode not in ("auto", "tensor", "distributed"):
@@ -193,11 +196,12 @@ class WeightPusher:
         self.pause_mode: PauseMode = pause_mode
         self.master_address = master_address or address_towards(hosts[0])
         self.backend = backend
-        self._client = httpx.Client(timeout=timeout)
+        self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key))  # SGLang's --api-key
         self._pool = ThreadPoolExecutor(max_workers=len(self.engine_urls) + 1, thread_name_prefix="weight-push")
         self._arena = SharedArena(shared=True)
         self._group: Any = None
         self._group_name = ""
+        self.rendezvous_port: int | None = None  # the last group's (closed once it formed)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -369,16 +373,39 @@ class WeightPusher:
                                                     rank_offset=off, world_size=world, group_name=self._group_name,
                                                     backend=backend)
                   for u, off in zip(self.engine_urls, offsets, strict=True)}
+        # The rendezvous port is open only while the group forms: its server is dropped below, joined or not.
+        server = host_weight_rendezvous(self.master_address, port, world, GROUP_TIMEOUT_S)
         futures = [(u, self._pool.submit(self._post, u, "/init_weights_update_group", bodies[u]))
                    for u in self.engine_urls]
+        # Rank 0 joins on a thread of its own: when an engine refuses to join (a wrong key, a bad request)
+        # we give up at once instead of waiting out GROUP_TIMEOUT_S; members still in the rendezvous then
+        # find its server gone and give up at their own timeout.
+        rendezvous: Future[Any] = Future()
+
+        def open_rank0() -> None:
+            try:
+                rendezvous.set_result(open_weight_group(self.master_address, port, world, 0, self._group_name,
+                                                        backend, GROUP_TIMEOUT_S, hosted=True))
+            except BaseException as e:  # noqa: BLE001  (any rendezvous failure: reported below)
+                rendezvous.set_exception(e)
+
+        threading.Thread(target=open_rank0, name="weight-group-rank0", daemon=True).start()
+        pending: set[Future[Any]] = {f for _, f in futures} | {rendezvous}
+        while pending and not any(f.done() and f.exception() is not None for _, f in futures):
+            _, pending = wait(pending, return_when=FIRST_COMPLETED)
+        del server  # every member is in the mesh (or we gave up): the port closes now
+        self.rendezvous_port = port
         errors: dict[str, str] = {}
-        try:
-            self._group = open_weight_group(self.master_address, port, world, 0, self._group_name, backend,
-                                            GROUP_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001  (any rendezvous failure: report it per engine below)
-            errors["rank 0"] = f"{type(e).__name__}: {e}"
-        _settle(futures, errors)
+        _settle([(u, f) for u, f in futures if f.done()], errors)
+        if rendezvous.done():
+            if rendezvous.exception() is not None:
+                errors["rank 0"] = f"{type(rendezvous.exception()).__name__}: {rendezvous.exception()}"
+            else:
+                self._group = rendezvous.result()
         if errors:
+            for u, f in futures:  # still joining: they time out with the abandoned rendezvous, unawaited
+                if not f.done():
+                    errors.setdefault(u, "abandoned: another member could not join")
             self._disconnect()
             raise RuntimeError(f"engines could not form the weight-update group: {errors}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 import socket
 import time
 
@@ -32,6 +33,22 @@ def wait_http_ok(url: str, timeout: float = 60.0, interval: float = 0.1, proc=No
             last = repr(e)
         time.sleep(interval)
     raise TimeoutError(f"{url} not ready after {timeout:.0f}s (last: {last})")
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` names only loopback addresses: a server bound there is reachable from this machine
+    alone. ``0.0.0.0``/``::`` (every interface), a LAN address or a name that does not resolve are not."""
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 @functools.lru_cache(maxsize=64)
