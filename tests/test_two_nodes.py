@@ -3,12 +3,22 @@ engines placed on one by a node resource and the trainer ranks on the other, the
 real cluster takes. The engines bind beyond loopback, so the deployment makes its engine key and every
 caller (router, gateway, supervisor, trainer) must send it. A live job trains 3 steps; its pushes go
 through SGLang's broadcast path (``/init_weights_update_group`` + ``/update_weights_from_distributed``)
-from the trainer's node to the engines' node, and the engines then report the job's version."""
+from the trainer's node to the engines' node, and the engines then report the job's version.
+
+The second test makes the addresses real: the head node (with the server and the trainer ranks) in one
+network namespace, the engines' node in another, joined by a veth link; Ray runs with its token, as the
+compose file and README's recipe start it, and ``serve`` is the command README gives. Nothing tells the
+pusher to broadcast: it chooses the distributed path because the engine's address is not local."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import secrets
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,9 +28,11 @@ from typing import Any
 
 import httpx
 import pytest
+from _netns_helpers import netns_pids, two_namespaces
 from openai import OpenAI
 
 from slime_server.utils.net import find_free_port
+from slime_server.utils.procs import kill_group
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -60,8 +72,6 @@ def _episode(base_url: str, model: str, i: int) -> None:
 
 
 def _events(admin: httpx.Client, job_id: str) -> list[dict[str, Any]]:
-    import json
-
     with admin.stream("GET", f"/jobs/{job_id}/events", params={"follow": "false"}) as r:
         assert r.status_code == 200
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
@@ -135,3 +145,116 @@ def test_job_on_two_nodes_pushes_across_with_the_engine_key(cluster: Any, tiny_m
         assert info["weight_version"] == str(version)
     finally:
         running.stop()
+
+
+NET = "10.213.8"  # the two test hosts' own link (made here, removed after)
+BIN = Path(sys.executable).parent
+
+DRIVER = textwrap.dedent("""
+    import json, random, sys, time, uuid, httpx
+    from openai import OpenAI
+    base, agent, admin_key, key_file, out = sys.argv[1:6]
+    admin = httpx.Client(base_url=base, timeout=300, headers={"Authorization": f"Bearer {admin_key}"})
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    model = admin.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+    job = admin.post("/jobs", json={"name": "netns", "algorithm": "reinforce_plus_plus", "optimizer": {"lr": 1e-3},
+                                    "loop": {"batch_size": 4, "max_steps": 3, "checkpoint_interval": 10,
+                                             "poll_interval_s": 0.05}}).raise_for_status().json()
+    i, t0 = 0, time.monotonic()
+    while (j := admin.get(f"/jobs/{job['id']}").raise_for_status().json())["status"] != "completed":
+        assert j["status"] not in ("failed", "cancelled") and time.monotonic() - t0 < 300, j
+        sid = f"netns-{uuid.uuid4().hex[:10]}"
+        client = OpenAI(base_url=f"{base}/v1", api_key=agent, default_headers={"X-Session-Id": sid}, max_retries=0)
+        client.chat.completions.create(model=model, max_tokens=6, temperature=1.0, seed=i,
+                                       messages=[{"role": "user", "content": f"Count to {i % 7}."}])
+        h = {"Authorization": f"Bearer {agent}"}
+        httpx.post(f"{base}/v1/sessions/{sid}/reward", json={"reward": random.random()}, headers=h).raise_for_status()
+        httpx.post(f"{base}/v1/sessions/{sid}/close", headers=h).raise_for_status()
+        i += 1
+    with admin.stream("GET", f"/jobs/{job['id']}/events", params={"follow": "false"}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    engines = admin.get("/dashboard/api/engines").raise_for_status().json()["engines"]
+    key = open(key_file).read().strip()
+    url = engines[0]["url"]
+    res = {"job": j, "pushes": [e["data"] for e in events if e["kind"] == "weights_pushed"], "engines": engines,
+           "keyless": httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "x"}).status_code,
+           "model_info": httpx.get(f"{url}/model_info", headers={"Authorization": f"Bearer {key}"}).json()}
+    json.dump(res, open(out, "w"))
+""")
+
+
+def _titles(ns: str) -> set[str]:
+    """The Ray actor process titles (``ray::EngineActor``, ...) running in namespace ``ns``."""
+    out = set()
+    for pid in netns_pids(ns):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+        except OSError:
+            continue
+        if title.startswith("ray::"):
+            out.add(title.split()[0].split(".")[0])
+    return out
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path, ready: str | None, timeout: float = 120) -> Any:
+    with log.open("ab") as out:  # exactly ``env`` (spawn would add this process's RAY_* and SLIME_* back)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while ready is not None and ready not in (log.read_text() if log.exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    return proc
+
+
+def test_job_across_two_network_namespaces(tiny_model_path: Path, tmp_path: Path) -> None:
+    token = tmp_path / "ray_token"
+    token.write_text(secrets.token_urlsafe(32) + "\n")
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLIME_"))} | {
+        "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0",
+        "OMP_NUM_THREADS": "1"}
+    head = f"{NET}.1:6379"
+    procs: list[Any] = []
+    with two_namespaces(NET) as (a, b):
+        try:
+            procs.append(_start(["ip", "netns", "exec", a, str(BIN / "ray"), "start", "--head", "--block",
+                                 f"--node-ip-address={NET}.1", "--port=6379", "--num-cpus=2",
+                                 '--resources={"trainer_node": 2}', "--include-dashboard=false",
+                                 "--disable-usage-stats"], env, tmp_path / "head.log", "Ray runtime started"))
+            procs.append(_start(["ip", "netns", "exec", b, str(BIN / "ray"), "start", "--block", f"--address={head}",
+                                 f"--node-ip-address={NET}.2", "--num-cpus=2", '--resources={"engine_node": 2}',
+                                 "--disable-usage-stats"], env, tmp_path / "worker.log", "Ray runtime started"))
+            serve_env = env | {"SLIME_ENGINE__RAY_RESOURCES": '{"engine_node": 1}',
+                               "SLIME_TRAINER__RAY_RESOURCES": '{"trainer_node": 1}',
+                               "SLIME_TRAINER__WORK_DIR": str(tmp_path / "jobs")}
+            procs.append(_start(["ip", "netns", "exec", a, str(BIN / "slime-server"), "serve", "--ray-address", head,
+                                 "--ray-auth-token-file", str(token), "--engine-host", "0.0.0.0", "--model",
+                                 str(tiny_model_path), "--num-engines", "1", "--port", "8000", "--api-key", AGENT,
+                                 "--admin-api-key", ADMIN, "--db-path", str(tmp_path / "db.sqlite"),
+                                 "--log-dir", str(tmp_path / "logs")], serve_env, tmp_path / "serve.log", None))
+            out = tmp_path / "result.json"
+            driver = subprocess.Popen(["ip", "netns", "exec", a, sys.executable, "-c", DRIVER, "http://127.0.0.1:8000",
+                                       AGENT, ADMIN, str(tmp_path / "logs" / "engine_api_key"), str(out)], env=env)
+            seen: dict[str, set[str]] = {a: set(), b: set()}
+            while driver.poll() is None:  # where each actor runs, while the job's trainer ranks are alive
+                for ns in (a, b):
+                    seen[ns] |= _titles(ns)
+                time.sleep(0.2)
+            assert driver.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        finally:
+            for p in reversed(procs):
+                kill_group(p, timeout=10)
+    res = json.loads(out.read_text())
+    assert res["job"]["step"] == 3 and res["job"]["policy_version"] == 3
+    assert len(res["pushes"]) >= 3 and {p["mode"] for p in res["pushes"]} == {"distributed"}  # chosen, not forced
+    (engine,) = res["engines"]
+    assert httpx.URL(engine["url"]).host == f"{NET}.2" and engine["weight_version"] == "3"  # through the key
+    assert res["model_info"]["weight_version"] == "3" and res["keyless"] == 401
+    assert "ray::EngineActor" in seen[b] and "ray::EngineActor" not in seen[a]
+    assert "ray::TrainerRank" in seen[a] and "ray::TrainerRank" not in seen[b]

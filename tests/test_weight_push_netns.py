@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _netns_helpers import two_namespaces
 from _tools_helpers import load_tool
 
 from slime_server.models.tiny import ensure_tiny_model
@@ -26,31 +27,11 @@ NET = "10.213.7"  # the two test hosts' own link (made here, removed after)
 KEY = "netns-engine-key"
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def two_hosts() -> Iterator[tuple[str, str]]:
     """Namespaces A (trainer, NET.1) and B (engine, NET.2) joined by veth; removed afterwards."""
-    tag = f"{os.getpid() % 100000}"
-    a, b = f"slime-a{tag}", f"slime-b{tag}"
-    try:
-        _ip("netns", "add", a)
-    except subprocess.CalledProcessError as e:  # not root / no CAP_SYS_ADMIN: this test cannot run here
-        pytest.fail(f"cannot create a network namespace (run the suite as root, as CI does): {e.stderr}")
-    try:
-        _ip("netns", "add", b)
-        _ip("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
-        for ns, dev, host in ((a, f"va{tag}", 1), (b, f"vb{tag}", 2)):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{NET}.{host}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield a, b
-    finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    with two_namespaces(NET) as hosts:
+        yield hosts
 
 
 TRAINER = textwrap.dedent("""
