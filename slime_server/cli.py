@@ -34,7 +34,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "slime_server.api.serve_cmd:ServeCommand",
     "demo": "slime_server.demo:DemoCommand",
     "export": "slime_server.buffer.export:ExportCommand",
-    "keys": "slime_server.buffer.key_store:KeysCommand",
+    "keys": "slime_server.buffer.keys_cli:KeysCommand",
     "agent": "slime_server.agents.cli:AgentCommand",
     "model": "slime_server.models.registry:ModelCommand",
 }

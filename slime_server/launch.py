@@ -108,7 +108,9 @@ def _init_ray(settings: ServerSettings) -> bool:
         ray.init(address=settings.ray.address, **common)
     else:
         num_cpus = settings.ray.num_cpus or max(os.cpu_count() or 1, ray_cpus_needed(settings), 1)
-        ray.init(num_cpus=num_cpus, **common)
+        # "local": no ray.address means a Ray of our own. Without it ray.init joins whatever RAY_ADDRESS or
+        # /tmp/ray/ray_current_cluster (left by any earlier `ray start`, even a dead one) names, and fails.
+        ray.init(address="local", num_cpus=num_cpus, **common)
     for sig, handler in saved.items():
         if handler is not None:
             signal.signal(sig, handler)

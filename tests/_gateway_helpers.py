@@ -57,7 +57,7 @@ def stop_gateway(gw: GatewayProc) -> None:
 def inprocess_gateway(router_url: str, model_path: Path, db_path: Path) -> Iterator[tuple[str, object]]:
     """The app of ``slime_server.api.server`` served by uvicorn on a thread of this process (as ``serve``
     runs it); yields (base URL, app) for tests that reach into it (attach a JobManager, watch its store)."""
-    from slime_server.api.serve_cmd import GatewayThread
+    from slime_server.api.gateway_thread import GatewayThread
     from slime_server.api.server import build_gateway
     from slime_server.config import GatewaySettings
     from slime_server.utils.net import find_free_port

@@ -49,7 +49,9 @@ def _wait_for(q: queue.Queue[str], prefix: str, timeout: float, proc: subprocess
 def test_engines_command_serves_then_exits_clean(how: str, tiny_model_path: Path, tmp_path: Path) -> None:
     pytest.importorskip("slime_server.rollout.engine_server", reason="the CPU engine is not in this tree yet")
     assert tiny_model_path.exists()  # builds the cached tiny model the CLI's "--model tiny" resolves to
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    # RAY_ADDRESS naming no cluster (as a stale /tmp/ray/ray_current_cluster would): with no ray.address the
+    # command starts a Ray of its own instead of trying to join it
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", "RAY_ADDRESS": "127.0.0.1:9"}
     proc = subprocess.Popen(
         [str(CLI), "engines", "--model", "tiny", "--num-engines", "2", "--ray-num-cpus", "2",
          "--log-dir", str(tmp_path)],

@@ -88,7 +88,7 @@ def test_router_demands_the_key_and_calls_engines_with_it(keyed: Deployment) -> 
 def test_gateway_serves_through_the_keyed_router(keyed: Deployment, tiny_model_path: Path, tmp_path: Path) -> None:
     from openai import OpenAI
 
-    from slime_server.api.serve_cmd import GatewayThread
+    from slime_server.api.gateway_thread import GatewayThread
     from slime_server.api.server import build_gateway
 
     def chat(engine_api_key: str | None) -> tuple[int, str]:

@@ -27,7 +27,7 @@ from _engine_helpers import engine_process
 from _rollout_helpers import generate_body
 from fastapi import FastAPI, Request, Response
 
-from slime_server.api.serve_cmd import GatewayThread
+from slime_server.api.gateway_thread import GatewayThread
 from slime_server.config import RouterSettings
 from slime_server.rollout.router import RouterProcess
 from slime_server.rollout.supervisor import EngineSupervisor

@@ -16,8 +16,10 @@ import json
 import os
 import random
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -220,16 +222,21 @@ def test_job_across_two_network_namespaces(tiny_model_path: Path, tmp_path: Path
         "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0",
         "OMP_NUM_THREADS": "1"}
     head = f"{NET}.1:6379"
+    # Both nodes keep their sessions, sockets and the cluster address file here, not in /tmp/ray, where a
+    # ray_current_cluster naming this (soon dead) cluster would be picked up by later ray.init() calls.
+    temp = tempfile.mkdtemp(prefix="rns", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     procs: list[Any] = []
     with two_namespaces(NET) as (a, b):
         try:
             procs.append(_start(["ip", "netns", "exec", a, str(BIN / "ray"), "start", "--head", "--block",
                                  f"--node-ip-address={NET}.1", "--port=6379", "--num-cpus=2",
                                  '--resources={"trainer_node": 2}', "--include-dashboard=false",
-                                 "--disable-usage-stats"], env, tmp_path / "head.log", "Ray runtime started"))
+                                 "--disable-usage-stats", f"--temp-dir={temp}"], env, tmp_path / "head.log",
+                                "Ray runtime started"))
             procs.append(_start(["ip", "netns", "exec", b, str(BIN / "ray"), "start", "--block", f"--address={head}",
                                  f"--node-ip-address={NET}.2", "--num-cpus=2", '--resources={"engine_node": 2}',
-                                 "--disable-usage-stats"], env, tmp_path / "worker.log", "Ray runtime started"))
+                                 "--disable-usage-stats", f"--temp-dir={temp}"], env, tmp_path / "worker.log",
+                                "Ray runtime started"))
             serve_env = env | {"SLIME_ENGINE__RAY_RESOURCES": '{"engine_node": 1}',
                                "SLIME_TRAINER__RAY_RESOURCES": '{"trainer_node": 1}',
                                "SLIME_TRAINER__WORK_DIR": str(tmp_path / "jobs")}
@@ -250,6 +257,11 @@ def test_job_across_two_network_namespaces(tiny_model_path: Path, tmp_path: Path
         finally:
             for p in reversed(procs):
                 kill_group(p, timeout=10)
+            shutil.rmtree(temp, ignore_errors=True)
+    from ray._common.utils import get_ray_address_file
+
+    assert f"{NET}.1" not in (Path(get_ray_address_file(None)).read_text()
+                              if Path(get_ray_address_file(None)).exists() else "")  # /tmp/ray left alone
     res = json.loads(out.read_text())
     assert res["job"]["step"] == 3 and res["job"]["policy_version"] == 3
     assert len(res["pushes"]) >= 3 and {p["mode"] for p in res["pushes"]} == {"distributed"}  # chosen, not forced

@@ -16,10 +16,10 @@ from typing import Any
 import jsonschema
 
 from slime_server.api import recording
-from slime_server.api.app import Gateway
 from slime_server.api.auth import Principal
 from slime_server.api.engine_client import EngineError
 from slime_server.api.errors import APIError, bad_request
+from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,

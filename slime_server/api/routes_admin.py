@@ -15,8 +15,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from slime_server.api.app import Gateway, get_gateway, require_admin
+from slime_server.api.deps import get_gateway, require_admin
 from slime_server.api.errors import APIError
+from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import ErrorResponse
 from slime_server.buffer.key_store import ApiKeyRecord, KeyRole, MintedKey
 

@@ -14,8 +14,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from slime_server.api.app import Gateway, get_gateway, require_admin
+from slime_server.api.deps import Admin, get_gateway
 from slime_server.api.errors import APIError
+from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import ErrorResponse
 from slime_server.buffer.job_store import EventRow, MetricsRow
 from slime_server.jobs import JobError, JobManager, JobSpec, JobView
@@ -34,7 +35,6 @@ def get_jobs(request: Request) -> JobManager:
 Jobs = Annotated[JobManager, Depends(get_jobs)]
 TERMINAL = ("completed", "failed", "cancelled")
 MAX_SEQ = 2**63 - 1  # SQLite integers are 64-bit: a larger cursor would be a 500, not a 400
-Admin = Depends(require_admin)
 
 
 async def _call(fn, *args: Any) -> Any:

@@ -9,9 +9,10 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from slime_server.api import openai_chat, recording
-from slime_server.api.app import Gateway, get_gateway, get_principal
 from slime_server.api.auth import Principal
+from slime_server.api.deps import get_gateway, get_principal
 from slime_server.api.errors import bad_request
+from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

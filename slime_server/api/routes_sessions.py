@@ -12,9 +12,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header
 from starlette.concurrency import run_in_threadpool
 
-from slime_server.api.app import Gateway, get_gateway, get_principal
 from slime_server.api.auth import Principal, mint_session_key
+from slime_server.api.deps import get_gateway, get_principal
 from slime_server.api.errors import APIError, bad_request
+from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import (
     CreateSessionRequest,
     ErrorResponse,

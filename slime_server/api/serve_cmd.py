@@ -1,49 +1,23 @@
 """``slime-server serve``: engines + sgl-router (as ``slime-server engines``) + the gateway on top.
 
-Why uvicorn in a thread with its signal handlers off: uvicorn re-raises SIGTERM/SIGINT after its
-own graceful shutdown, which would kill the process before the engines and router are stopped.
-Here the main thread owns the signals (``run_until_signal``): first the gateway stops taking
+The gateway runs in a thread with uvicorn's signal handlers off (``api/gateway_thread.py``): the main
+thread owns the signals (``run_until_signal``): first the gateway stops taking
 requests, then the engines and router go (no orphans), then the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slime_server.api.gateway_thread import GatewayThread
 from slime_server.config import GatewaySettings, ServerSettings
+from slime_server.online.attach import attach_online
 from slime_server.online.feedback import OnlineSettings
 from slime_server.online.preset import add_online_arguments, judge_settings, online_job_spec
 from slime_server.rollout.supervisor import EngineSupervisor
-
-
-class GatewayThread:
-    """A uvicorn server for ``app`` on a background thread; ``start`` returns once it is bound."""
-
-    def __init__(self, app: Any, host: str, port: int) -> None:
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    access_log=False))
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # signals stay ours
-        self.thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
-
-    def start(self, timeout: float = 60.0) -> GatewayThread:
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start (port in use?)")
-            time.sleep(0.05)
-        return self
-
-    def stop(self, timeout: float = 15.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=timeout)
 
 
 @dataclass
@@ -108,18 +82,6 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     if restored:
         print(f"resumed jobs: {' '.join(restored)}", flush=True)
     return jobs
-
-
-def attach_online(gw: Any, online: Any, gw_settings: GatewaySettings) -> None:
-    """Implicit feedback on the gateway; a judge without a URL is this server's own /v1."""
-    from slime_server.online.feedback import ImplicitFeedback
-    from slime_server.online.judge import Judge
-
-    judge_settings = online.judge
-    if judge_settings.base_url is None and gw_settings.api_key:
-        judge_settings = judge_settings.model_copy(update={"api_key": gw_settings.api_key})
-    host = "127.0.0.1" if gw_settings.host in ("0.0.0.0", "::") else gw_settings.host
-    gw.feedback = ImplicitFeedback(gw, online, Judge(judge_settings, f"http://{host}:{gw_settings.port}/v1"))
 
 
 def start_online_job(jobs: Any, body: dict[str, Any]) -> None:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     # flag that `ps` would show
     app = build_gateway(a.router_url, a.model_path, settings, engine_api_key=os.environ.get("SLIME_ENGINE__API_KEY"))
     if a.online:
-        from slime_server.api.serve_cmd import attach_online
+        from slime_server.online.attach import attach_online
         from slime_server.online.feedback import OnlineSettings
         from slime_server.online.judge import JudgeSettings
 

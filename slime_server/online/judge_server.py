@@ -55,7 +55,7 @@ def with_judge_cpus(settings: ServerSettings, judge_engines: int) -> ServerSetti
 def start_judge_deployment(settings: ServerSettings, model: str, num_engines: int,
                            log_dir: str | Path | None) -> JudgeDeployment:
     """Engines + router + a loopback serve-only gateway for the judge; Ray must already be up."""
-    from slime_server.api.serve_cmd import GatewayThread
+    from slime_server.api.gateway_thread import GatewayThread
     from slime_server.api.server import build_gateway
     from slime_server.launch import Deployment, resolve_model_path
     from slime_server.utils.net import find_free_port

@@ -12,13 +12,7 @@ Design
   exactly its own history; a request gets the same tokens and log-probs as when run alone (up to
   float rounding of the padded matmuls, ~1e-6).
 
-Log-prob rule (SGLang's default sampler): the log-prob of a sampled token is
-``log_softmax(logits / temperature)[token]`` from the same forward pass that sampled it, computed
-BEFORE top-k / top-p / min-p filtering (those only restrict which token may be drawn). temperature 0
-is greedy: argmax, with the log-prob from ``log_softmax(logits)`` (temperature 1). top_k 1 with a
-positive temperature is also argmax but keeps the temperature in its log-prob (what SGLang's sampler
-gives it in a mixed batch; its all-greedy fast path would drop the temperature, which would make the
-value depend on the batch). Input log-probs (``logprob_start_len >= 0``) use the same rule.
+Log-prob rule and sampling: ``rollout/sampling.py`` (SGLang's default sampler).
 
 Stop tokens: as SGLang, an EOS / ``stop_token_ids`` match is appended to ``output_ids`` (and to
 ``output_token_logprobs``) and ``finish_reason.matched`` is its id; only the text drops it (unless
@@ -44,13 +38,13 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, Field
 
+from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM, Sequence, ensure_room
 from slime_server.rollout.protocol import (
     FinishReason,
     GenerateOutput,
@@ -59,9 +53,9 @@ from slime_server.rollout.protocol import (
     SamplingParams,
     version_spans,
 )
+from slime_server.rollout.sampling import logprobs_of, sample_token, top_logprobs
 
 log = logging.getLogger(__name__)
-KV_INITIAL_HEADROOM = 256  # output tokens' K/V space allocated at prefill; long generations grow it
 
 
 class EngineConfig(BaseModel):
@@ -83,39 +77,6 @@ class BadRequest(ValueError):
 class FlushRefused(RuntimeError):
     """Weights were loaded but ``flush_cache`` was refused: requests were running or queued (SGLang
     0.5.23 then fails the update call and keeps the old ``weight_version``)."""
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One generation (one prompt x one of its n samples) and all its scheduler state."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    stream: bool = False
-    logprob_text: bool = False
-    on_update: Callable[[Sequence], None] | None = None
-    generator: torch.Generator | None = None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top: list[list[LogprobEntry]] = field(default_factory=list)
-    output_versions: list[str] = field(default_factory=list)
-    input_logprobs: list[LogprobEntry] | None = None
-    input_top: list[list[LogprobEntry] | None] | None = None
-    finish: FinishReason | None = None
-    created: float = field(default_factory=time.perf_counter)
-    finished_at: float | None = None
-    abort_requested: bool = False
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    kv_len: int = 0
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def reserved_tokens(self) -> int:
-        return len(self.prompt_ids) + (self.params.max_new_tokens or 0)
 
 
 class CPUEngine:
@@ -440,7 +401,7 @@ class CPUEngine:
                          logits_to_keep=0 if want_input else 1)
         logits = out.logits[0].float()
         n_prompt = ids.shape[1]
-        cap = min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM)  # grows by doubling (_ensure_room)
+        cap = min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM)  # grows by doubling (ensure_room)
         seq.kv = []
         for layer in cache.layers:
             k, v = layer.keys[0], layer.values[0]  # [heads, n_prompt, head_dim]
@@ -463,7 +424,7 @@ class CPUEngine:
 
     def _input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         start = seq.logprob_start_len
-        lp = _logprobs(logits[:-1], seq.params)
+        lp = logprobs_of(logits[:-1], seq.params)
         targets = torch.tensor(seq.prompt_ids[1:])
         chosen = lp.gather(-1, targets[:, None])[:, 0].tolist()
         entries: list[LogprobEntry] = [] if start > 0 else [(None, seq.prompt_ids[0], None)]
@@ -471,7 +432,7 @@ class CPUEngine:
         for pos in range(max(start, 1), len(seq.prompt_ids)):
             entries.append((chosen[pos - 1], seq.prompt_ids[pos], None))
             if seq.top_logprobs_num:
-                tops.append(_top(lp[pos - 1], seq.top_logprobs_num))
+                tops.append(top_logprobs(lp[pos - 1], seq.top_logprobs_num))
         seq.input_logprobs = entries
         seq.input_top = tops if seq.top_logprobs_num else None
 
@@ -498,7 +459,7 @@ class CPUEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          use_cache=True)
         for s in batch:
-            _ensure_room(s)
+            ensure_room(s)
         for li, layer in enumerate(cache.layers):
             newk, newv = layer.keys[:, :, -1], layer.values[:, :, -1]
             for b, s in enumerate(batch):
@@ -604,63 +565,5 @@ class _Commit:
     error: BaseException | None = None
 
 
-def _ensure_room(seq: Sequence) -> None:
-    """Grow a sequence's K/V buffers (doubling, capped at what it reserved) before writing one more token."""
-    cap = seq.kv[0][0].shape[1]
-    if seq.kv_len < cap:
-        return
-    new_cap = min(max(2 * cap, cap + 1), seq.reserved_tokens)
-    grown = []
-    for k, v in seq.kv:
-        kb, vb = k.new_empty((k.shape[0], new_cap, k.shape[2])), v.new_empty((v.shape[0], new_cap, v.shape[2]))
-        kb[:, :cap], vb[:, :cap] = k, v
-        grown.append((kb, vb))
-    seq.kv = grown
-
-
 def _same(entries: list[LogprobEntry]) -> list[LogprobEntry]:
     return entries
-
-
-def _logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The log-prob rule of the module docstring, for a [..., vocab] float tensor."""
-    if params.temperature == 0.0:
-        return torch.log_softmax(logits, dim=-1)
-    return torch.log_softmax(logits / params.temperature, dim=-1)
-
-
-def _top(lp: torch.Tensor, k: int) -> list[LogprobEntry]:
-    vals, idx = torch.topk(lp, k)
-    return [(v, i, None) for v, i in zip(vals.tolist(), idx.tolist(), strict=True)]
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                 top_logprobs_num: int = 0) -> tuple[int, float, list[LogprobEntry] | None]:
-    """Draw one token from a [vocab] logits row; returns (token, its log-prob, top log-probs)."""
-    lp = _logprobs(logits, params)
-    if params.greedy:
-        token = int(torch.argmax(logits))
-    else:
-        probs = filtered_probs(lp.exp(), params)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    top = _top(lp, top_logprobs_num) if top_logprobs_num else None
-    return token, float(lp[token]), top
-
-
-def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply top-k, top-p and min-p to a probability row (unnormalised result; multinomial rescales)."""
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    if params.top_k > 0 and params.top_k < probs.numel():
-        kth = torch.topk(probs, params.top_k).values[-1]
-        keep &= probs >= kth
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
-        drop_sorted = before > params.top_p
-        drop = torch.zeros_like(keep)
-        drop[order] = drop_sorted
-        keep &= ~drop
-    if params.min_p > 0.0:
-        keep &= probs >= params.min_p * probs.max()
-    return torch.where(keep, probs, torch.zeros_like(probs))
-

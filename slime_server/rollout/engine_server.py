@@ -25,8 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig, Sequence
+from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig
 from slime_server.rollout.engine_auth import KEY_ENV, InsecureEngineError, add_api_keys, check_exposure
+from slime_server.rollout.engine_sequence import Sequence
 from slime_server.rollout.engine_weights import add_weight_routes
 from slime_server.rollout.protocol import (
     AbortReq,

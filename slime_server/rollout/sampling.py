@@ -1,0 +1,59 @@
+"""Sampling and log-probs in the CPU engine, exactly as SGLang's default sampler.
+
+Log-prob rule (SGLang's default sampler): the log-prob of a sampled token is
+``log_softmax(logits / temperature)[token]`` from the same forward pass that sampled it, computed
+BEFORE top-k / top-p / min-p filtering (those only restrict which token may be drawn). temperature 0
+is greedy: argmax, with the log-prob from ``log_softmax(logits)`` (temperature 1). top_k 1 with a
+positive temperature is also argmax but keeps the temperature in its log-prob (what SGLang's sampler
+gives it in a mixed batch; its all-greedy fast path would drop the temperature, which would make the
+value depend on the batch). Input log-probs (``logprob_start_len >= 0``) use the same rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime_server.rollout.protocol import LogprobEntry, SamplingParams
+
+
+def logprobs_of(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The log-prob rule above, for a [..., vocab] float tensor."""
+    if params.temperature == 0.0:
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits / params.temperature, dim=-1)
+
+
+def top_logprobs(lp: torch.Tensor, k: int) -> list[LogprobEntry]:
+    vals, idx = torch.topk(lp, k)
+    return [(v, i, None) for v, i in zip(vals.tolist(), idx.tolist(), strict=True)]
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 top_logprobs_num: int = 0) -> tuple[int, float, list[LogprobEntry] | None]:
+    """Draw one token from a [vocab] logits row; returns (token, its log-prob, top log-probs)."""
+    lp = logprobs_of(logits, params)
+    if params.greedy:
+        token = int(torch.argmax(logits))
+    else:
+        probs = filtered_probs(lp.exp(), params)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    top = top_logprobs(lp, top_logprobs_num) if top_logprobs_num else None
+    return token, float(lp[token]), top
+
+
+def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply top-k, top-p and min-p to a probability row (unnormalised result; multinomial rescales)."""
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.top_k > 0 and params.top_k < probs.numel():
+        kth = torch.topk(probs, params.top_k).values[-1]
+        keep &= probs >= kth
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
+        drop_sorted = before > params.top_p
+        drop = torch.zeros_like(keep)
+        drop[order] = drop_sorted
+        keep &= ~drop
+    if params.min_p > 0.0:
+        keep &= probs >= params.min_p * probs.max()
+    return torch.where(keep, probs, torch.zeros_like(probs))
