@@ -83,7 +83,7 @@ class RaySettings(_Section):
     address: str | None = None
     auth_token_file: str | None = Field(
         None, description="the cluster's Ray token (clusters started with RAY_AUTH_MODE=token, as "
-        "deploy/docker-compose.yml does); sets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH for this process")
+        "docker-compose.yml does); sets RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH for this process")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a local cluster; default: enough for the engines")
     namespace: str = "slime-server"
 

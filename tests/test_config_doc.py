@@ -34,7 +34,7 @@ def test_reference_lists_every_setting_with_its_env_var() -> None:
 
 
 def test_compose_file_wires_head_workers_and_server() -> None:
-    spec = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = spec["services"]
     assert set(services) == {"ray-head", "gpu-worker", "server"}
     for name, svc in services.items():
@@ -81,10 +81,10 @@ def test_docker_compose_config() -> None:
     compose = _compose()
     if compose is None:
         pytest.skip("neither `docker compose` nor `docker-compose` here (apt-get install docker-compose)")
-    r = subprocess.run([*compose, "-p", "slime-server", "-f", str(ROOT / "deploy" / "docker-compose.yml"), "config",
+    r = subprocess.run([*compose, "-p", "slime-server", "-f", str(ROOT / "docker-compose.yml"), "config",
                         "-q"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([*compose, "-p", "slime-server", "-f", str(ROOT / "deploy" / "docker-compose.yml"), "config"],
+    r = subprocess.run([*compose, "-p", "slime-server", "-f", str(ROOT / "docker-compose.yml"), "config"],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "SLIME_SECRETS": "/s"})
     assert r.returncode == 0, r.stderr
     rendered = yaml.safe_load(r.stdout)  # what compose itself makes of the file: merge keys and variables applied

@@ -1,4 +1,4 @@
-"""Ray clusters run with a token, as deploy/docker-compose.yml and README's recipe start them.
+"""Ray clusters run with a token, as docker-compose.yml and README's recipe start them.
 
 A real ``ray start --head`` with the compose file's Ray environment (``RAY_AUTH_MODE=token``, the token
 read from ``RAY_AUTH_TOKEN_PATH``): a client without the token is refused, and slime-server says which
@@ -31,8 +31,8 @@ def _clean_env() -> dict[str, str]:
 
 
 def compose_ray_env(token_file: Path) -> dict[str, str]:
-    """The Ray head's auth environment as deploy/docker-compose.yml sets it, the secret's path made local."""
-    spec = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    """The Ray head's auth environment as docker-compose.yml sets it, the secret's path made local."""
+    spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     env = {k: str(v) for k, v in spec["services"]["ray-head"]["environment"].items() if k.startswith("RAY_AUTH")}
     assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/run/secrets/ray_token"}
     return env | {"RAY_AUTH_TOKEN_PATH": str(token_file)}
