@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -211,8 +212,13 @@ def test_structured_access_log(limited: GatewayProc) -> None:
     client = openai_client(limited)
     client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
                                    extra_headers={"X-Session-Id": "sess-logged", "X-Request-Id": "req-42"})
-    lines = [json.loads(line) for line in limited.log_path.read_text().splitlines() if line.startswith("{")]
-    hits = [x for x in lines if x.get("path") == "/v1/chat/completions" and x.get("request_id") == "req-42"]
+    deadline = time.monotonic() + 10  # the line is written once the response is sent: the client may be first
+    while True:
+        lines = [json.loads(line) for line in limited.log_path.read_text().splitlines() if line.startswith("{")]
+        hits = [x for x in lines if x.get("path") == "/v1/chat/completions" and x.get("request_id") == "req-42"]
+        if hits or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert len(hits) == 1, lines[-5:]
     hit = hits[0]
     assert hit["status"] == 200 and hit["session_id"] == "sess-logged" and hit["method"] == "POST"

@@ -32,7 +32,8 @@ def test_eval_data_flag_is_checked(tmp_path: Path) -> None:
 def test_serve_eval_data_fills_jobs_without_eval_sets(tmp_path: Path) -> None:
     from slime_server.buffer.job_store import SQLiteJobStore
     from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
-    from slime_server.jobs import JobManager, JobSpec
+    from slime_server.jobs.manager import JobManager
+    from slime_server.jobs.spec import JobSpec
 
     f = tmp_path / "e.jsonl"
     f.write_text('{"prompt": "What is 2 + 3?", "label": "5"}\n')

@@ -13,7 +13,8 @@ from test_loop_selection import RecordingTrainer, add
 
 from slime_server.buffer.job_store import SQLiteJobStore
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
-from slime_server.jobs import JobError, JobManager, JobSpec
+from slime_server.jobs.manager import JobError, JobManager
+from slime_server.jobs.spec import JobSpec
 
 
 @pytest.fixture

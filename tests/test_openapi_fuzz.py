@@ -47,7 +47,7 @@ def live_url(router_url: str, tiny_model_path: Path,  # noqa: F811
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The gateway with a JobManager attached (its trainer factory refuses), over the real router."""
     from slime_server.buffer.job_store import SQLiteJobStore
-    from slime_server.jobs import JobManager
+    from slime_server.jobs.manager import JobManager
 
     d = tmp_path_factory.mktemp("fuzz")
     with inprocess_gateway(router_url, tiny_model_path, d / "traj.db") as (url, app):

@@ -84,7 +84,7 @@ def test_ray_trainer_group_tp2(runs: dict[str, dict], tmp_path_factory: pytest.T
     from slime_server.trainer.convert import read_hf_state_dict
 
     settings = TrainerRankSettings.model_validate(runs["settings"]).model_copy(update={"tp_size": 2})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a stale cluster
     try:
         group = TrainerGroup(settings, world_size=2)
         layouts = group.setup()

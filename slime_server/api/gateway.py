@@ -13,6 +13,7 @@ from prometheus_client import Counter
 
 from slime_server.api.engine_client import EngineClient
 from slime_server.api.errors import APIError
+from slime_server.api.pacing import Pacer
 from slime_server.api.partial import InflightRegistry, abort_everywhere, abort_resending, generate_continuing
 from slime_server.api.reasoning import ReasoningParser, get_reasoning_parser
 from slime_server.api.tool_parsers import ToolCallParser, get_tool_parser
@@ -32,14 +33,16 @@ class Gateway:
     renderer: Any  # slime_server.api.chat_template.ChatRenderer
     sessions: Any  # slime_server.sessions.SessionManager
     store: Any  # slime_server.buffer.store.TrajectoryStore
-    jobs: Any = None  # slime_server.jobs.JobManager when a trainer is attached (serve); None: serving only
+    jobs: Any = None  # slime_server.jobs.manager.JobManager when a trainer is attached (serve); None: serving only
     feedback: Any = None  # slime_server.online.feedback.ImplicitFeedback with `serve --online`
     keys: Any = None  # slime_server.buffer.key_store.SQLiteKeyStore: minted agent/admin keys
     inflight: InflightRegistry = field(default_factory=InflightRegistry)
     tool_parser: ToolCallParser = field(init=False)
     reasoning: ReasoningParser | None = field(init=False)
+    pacer: Pacer = field(init=False)
 
     def __post_init__(self) -> None:
+        self.pacer = Pacer(self.store, lambda: self.jobs)
         template = getattr(getattr(self.renderer, "tokenizer", None), "chat_template", None)
         self.tool_parser = get_tool_parser(self.settings.tool_parser, template if isinstance(template, str) else None)
         name = self.settings.reasoning_parser
@@ -51,7 +54,7 @@ class Gateway:
 
 
     async def admit(self, session_id: str | None, metadata: dict[str, str] | None) -> None:
-        """Buffer pacing (ARCHITECTURE decision 7): 429 + Retry-After while a job's buffer is full.
+        """Buffer pacing (``api/pacing.py``): 429 + Retry-After while a job's buffer is full.
 
         Serve-only traffic is never paced: a request with ``metadata.serve_only = "true"`` or a
         session opened with ``{"metadata": {"serve_only": true}}``.
@@ -60,7 +63,7 @@ class Gateway:
             return
         from starlette.concurrency import run_in_threadpool
 
-        retry = await run_in_threadpool(self.jobs.retry_after, False)
+        retry = await run_in_threadpool(self.pacer.retry_after)
         if retry is None or (session_id is not None and await run_in_threadpool(self._serve_only, session_id)):
             return
         raise APIError(429, "the trajectory buffer is full: the trainer is behind; retry later",

@@ -19,7 +19,8 @@ from slime_server.api.errors import APIError
 from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import ErrorResponse
 from slime_server.buffer.job_store import EventRow, MetricsRow
-from slime_server.jobs import JobError, JobManager, JobSpec, JobView
+from slime_server.jobs.manager import JobError, JobManager
+from slime_server.jobs.spec import JobSpec, JobView
 
 router = APIRouter(prefix="/jobs", tags=["jobs"],
                    responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 503)})

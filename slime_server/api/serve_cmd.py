@@ -54,7 +54,8 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     ``push_guard`` (``EngineSupervisor.updating_weights``) is entered by every job's loop around its weight
     pushes, so engines paused for an update are not judged unhealthy."""
     from slime_server.buffer.open import open_job_store
-    from slime_server.jobs import JobManager, JobSpec
+    from slime_server.jobs.manager import JobManager
+    from slime_server.jobs.spec import JobSpec
     from slime_server.launch import start_trainer_group
 
     tr = settings.trainer
@@ -86,7 +87,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
 
 def start_online_job(jobs: Any, body: dict[str, Any]) -> None:
     """The online preset's live job, unless a job is already active (e.g. restored after a restart)."""
-    from slime_server.jobs import ACTIVE, JobSpec
+    from slime_server.jobs.spec import ACTIVE, JobSpec
 
     active = [j.id for j in jobs.list() if j.status in ACTIVE]
     if active:

@@ -103,7 +103,7 @@ def model_tables(model: type[BaseModel], path: str, env_prefix: str | None = Non
 
 def render() -> str:
     from slime_server.config import ServerSettings
-    from slime_server.jobs import JobSpec
+    from slime_server.jobs.spec import JobSpec
 
     lines = [HEADER]
     for name, field in ServerSettings.model_fields.items():

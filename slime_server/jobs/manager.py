@@ -1,4 +1,4 @@
-"""Training jobs: what a job is (``JobSpec``), its state machine, and the manager that runs them.
+"""The job state machine and the manager that runs jobs (what a job is: ``spec.py``).
 
     queued -> running <-> paused
                  |          |
@@ -19,171 +19,26 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
-
-from prometheus_client import Counter, Gauge
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
 
 from slime_server.buffer.job_store import EventRow, JobRow, MetricsRow, SQLiteJobStore
 from slime_server.buffer.store import TrajectoryStore
-from slime_server.job_logging import JobLog, WandbSpec, WandbUnavailable, require_wandb
-from slime_server.trainer.advantages import AdvantageConfig, Estimator
-from slime_server.trainer.loop import EngineControl, LoopSettings, LoopState, Trainer, TrainLoop
-from slime_server.trainer.losses import LossConfig
-from slime_server.trainer.optimizer import OptimizerSettings
+from slime_server.job_logging import JobLog, WandbUnavailable, require_wandb
+from slime_server.jobs.metrics import JOB_DROPPED, JOB_METRIC, JOB_STEP, JOB_VERSION
+from slime_server.jobs.runners import DatasetDriver, Evaluator
+from slime_server.jobs.spec import ACTIVE, EvalSpec, JobSpec, JobView, PacingSpec, view
+from slime_server.trainer.loop import EngineControl, LoopState, Trainer, TrainLoop
 
 log = logging.getLogger(__name__)
-
-JobStatus = Literal["queued", "running", "paused", "completed", "failed", "cancelled"]
-ACTIVE: frozenset[str] = frozenset({"queued", "running", "paused"})
-Algorithm = Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
-
-JOB_STEP = Gauge("slime_job_step", "optimizer steps taken", ["job"])
-JOB_VERSION = Gauge("slime_job_policy_version", "policy version of the job's trainer", ["job"])
-JOB_METRIC = Gauge("slime_job_metric", "last value of a training metric", ["job", "name"])
-JOB_DROPPED = Counter("slime_job_dropped_trajectories_total", "trajectories never trained on", ["job", "reason"])
-ADMISSION_REJECTED = Counter("slime_admission_rejected_total", "requests answered 429 by buffer pacing")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class DataSpec(_Strict):
-    """``live``: train on whatever rewarded traffic reaches /v1. ``dataset``: the job also plays the
-    environment's episodes on its dataset through this server's /v1 (the agent runner, in-process)."""
-
-    source: Literal["live", "dataset"] = "live"
-    environment: str | None = Field(None, description="built-in name or module:attr (source=dataset)")
-    dataset: str | None = Field(None, description="JSONL path; default: the environment's generated rows")
-    num_prompts: int = Field(256, ge=1, description="rows generated when no dataset is given")
-    seed: int = 0
-    concurrency: int = Field(8, ge=1, description="episodes in flight")
-    temperature: float = Field(1.0, ge=0)
-    max_tokens: int = Field(64, ge=1)
-
-
-class PacingSpec(_Strict):
-    max_buffered: int = Field(256, ge=1, description="unconsumed rewarded trajectories before /v1 answers 429")
-    retry_after_s: float = Field(2.0, gt=0)
-
-
-class EvalSpec(_Strict):
-    """An evaluation set: episodes through the same runner (greedy by default, or sampled with fixed
-    seeds: the same random numbers for every policy version), serve-only, never trained on."""
-
-    name: str = Field(min_length=1, max_length=100)
-    environment: str
-    dataset: str | None = Field(None, description="JSONL path; default: the environment's generated rows")
-    num_prompts: int = Field(32, ge=1)
-    seed: int = 12345
-    every_steps: int = Field(10, ge=1, description="evaluate after every N training steps (and at step 0)")
-    max_tokens: int = Field(64, ge=1)
-    concurrency: int = Field(8, ge=1)
-    temperature: float = Field(0.0, ge=0, description="0 = greedy; > 0 samples with seeds from `seed`")
-
-    @model_validator(mode="after")
-    def _check(self) -> EvalSpec:
-        from slime_server.envs.base import get_environment
-
-        get_environment(self.environment)
-        if self.dataset is not None and not Path(self.dataset).is_file():
-            raise ValueError(f"eval dataset {self.dataset!r} is not a file")
-        return self
-
-
-# estimators whose baseline is the group mean (a group of one learns nothing)
-GROUP_BASELINES = ("grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline")
-
-
-class JobSpec(_Strict):
-    """``POST /jobs`` body."""
-
-    name: str | None = Field(None, max_length=200)
-    base_model: str | None = Field(None, description="must be the served model (a live job trains it)")
-    algorithm: Algorithm = "reinforce_plus_plus"
-    data: DataSpec = Field(default_factory=DataSpec)
-    loop: LoopSettings = Field(default_factory=LoopSettings)
-    loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (eps_clip, kl_coef, ...)")
-    optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))
-    pacing: PacingSpec = Field(default_factory=PacingSpec)
-    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="default: the server's trainer setting")
-    eval: list[EvalSpec] = Field(default_factory=list, description="evaluated on a schedule, per policy version")
-    wandb: WandbSpec | None = Field(None, description="also log the job's metrics to Weights & Biases "
-                                    "(needs the wandb package on the server; TensorBoard files are always written)")
-
-    @model_validator(mode="after")
-    def _check(self) -> JobSpec:
-        if self.data.source == "dataset":
-            from slime_server.envs.base import get_environment
-
-            if not self.data.environment:
-                raise ValueError("data.source 'dataset' needs data.environment (e.g. 'calculator')")
-            get_environment(self.data.environment)  # unknown names fail at submit time
-            if self.data.dataset is not None and not Path(self.data.dataset).is_file():
-                raise ValueError(f"data.dataset {self.data.dataset!r} is not a file")
-            need = self.loop.batch_size + self.data.concurrency
-            if self.pacing.max_buffered < need:
-                # the buffer holds < batch_size samples of complete groups plus the members of the groups
-                # in flight (< concurrency); a smaller limit can pace out the episodes that would complete a
-                # group while the trainer waits for complete groups: a deadlock
-                raise ValueError(f"pacing.max_buffered ({self.pacing.max_buffered}) must be >= loop.batch_size + "
-                                 f"data.concurrency ({need}) for a dataset job")
-        if self.loop.n_samples_per_prompt == 1 and self.estimator() in GROUP_BASELINES:
-            raise ValueError(f"algorithm {self.algorithm!r} subtracts its group's mean reward: with "
-                             "loop.n_samples_per_prompt 1 every advantage is 0; use 'reinforce_plus_plus' (batch "
-                             "baseline) or groups of n >= 2")
-        LossConfig(**self.loss_config())  # fail at submit time, not in the trainer
-        return self
-
-    def estimator(self) -> Estimator:
-        return "grpo" if self.algorithm == "ppo" else self.algorithm
-
-    def loss_config(self) -> dict[str, Any]:
-        return {"loss_type": self.algorithm if self.algorithm != "dr_grpo" else "grpo", **self.loss}
-
-    def loop_settings(self) -> LoopSettings:
-        adv = self.loop.advantage.model_copy(update={"estimator": self.estimator()})
-        return self.loop.model_copy(update={"advantage": AdvantageConfig.model_validate(adv.model_dump())})
-
-
-class JobView(BaseModel):
-    """``GET /jobs/{id}``."""
-
-    id: str
-    object: Literal["job"] = "job"
-    name: str | None
-    status: str
-    spec: dict[str, Any]
-    step: int
-    policy_version: int
-    checkpoints: list[dict[str, Any]]
-    dropped_stale: int
-    dropped_zero_variance: int
-    downweighted: int
-    restarts: int
-    error: str | None
-    created_at: float
-    updated_at: float
 
 
 class JobError(Exception):
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
         self.status_code, self.code = status, code
-
-
-def view(row: JobRow) -> JobView:
-    st = LoopState.model_validate(row.state)
-    return JobView(id=row.id, name=row.spec.get("name"), status=row.status, spec=row.spec, step=st.step,
-                   policy_version=st.version, checkpoints=[c.model_dump() for c in st.checkpoints],
-                   dropped_stale=st.dropped_stale, dropped_zero_variance=st.dropped_zero_variance,
-                   downweighted=st.downweighted, restarts=st.restarts, error=row.error,
-                   created_at=row.created_at, updated_at=row.updated_at)
 
 
 MakeTrainer = Callable[[JobSpec], Trainer]
@@ -193,48 +48,6 @@ class _Running:
     def __init__(self, loop: TrainLoop, thread: threading.Thread, tb: Any, evaluator: Evaluator) -> None:
         self.loop, self.thread, self.tb, self.evaluator = loop, thread, tb, evaluator
         self.driver: threading.Thread | None = None
-
-
-class DatasetDriver:
-    """Plays a dataset job's episodes through /v1 while its loop runs (paused with it, stops with it)."""
-
-    def __init__(self, spec: JobSpec, loop: TrainLoop, base_url: str, api_key: str | None,
-                 on_event: Callable[[str, dict[str, Any]], None]) -> None:
-        from slime_server.agents.runner import AgentRunner, RunnerSettings
-        from slime_server.envs.base import get_environment, load_jsonl
-
-        d = spec.data
-        env = get_environment(d.environment or "")
-        self.rows = load_jsonl(d.dataset) if d.dataset else env.default_dataset(d.num_prompts, seed=d.seed)
-        if not self.rows:
-            raise ValueError("the dataset has no rows")
-        self.per_round = max(1, d.concurrency // spec.loop.n_samples_per_prompt)
-        self.runner = AgentRunner(env, RunnerSettings(
-            base_url=base_url, api_key=api_key or "none", n_samples_per_prompt=spec.loop.n_samples_per_prompt,
-            concurrency=d.concurrency, temperature=d.temperature, max_tokens=d.max_tokens))
-        self.loop, self.on_event = loop, on_event
-        self.episodes = 0
-
-    def run(self) -> None:
-        import asyncio
-
-        i = 0
-        while not self.loop.stop.is_set():
-            if self.loop.paused.is_set():
-                self.loop.stop.wait(0.2)
-                continue
-            chunk = [self.rows[(i + k) % len(self.rows)] for k in range(self.per_round)]
-            i += self.per_round
-            try:
-                summary = asyncio.run(self.runner.run(chunk))
-            except Exception as e:  # noqa: BLE001 - the server may be going down; retry unless stopping
-                log.warning("dataset episodes failed: %r", e)
-                self.loop.stop.wait(1.0)
-                continue
-            self.episodes += summary.episodes
-            self.on_event("episodes", {"episodes": summary.episodes, "total": self.episodes,
-                                       "mean_reward": summary.mean_reward, "success_rate": summary.success_rate,
-                                       "errors": summary.errors, "version": self.loop.state.version})
 
 
 class JobManager:
@@ -260,7 +73,6 @@ class JobManager:
         self._running: dict[str, _Running] = {}
         self._lock = threading.RLock()
         self._subscribers: list[Callable[[str, EventRow], None]] = []
-        self._buffered_cache: tuple[float, int] = (0.0, 0)
 
     # ---------------------------------------------------------------- REST operations
     def with_default_evals(self, spec: JobSpec) -> JobSpec:
@@ -346,24 +158,12 @@ class JobManager:
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         return self.get(job_id).checkpoints
 
-    # ---------------------------------------------------------------- pacing
-    def retry_after(self, serve_only: bool) -> float | None:
-        """Seconds a *training* request should wait (None: admit). Serve-only traffic is never paced."""
-        if serve_only:
-            return None
+    # ---------------------------------------------------------------- pacing (the gateway's: api/pacing.py)
+    def active_pacing(self) -> PacingSpec | None:
+        """The running job's pacing spec (None: no job is training, so nothing is paced)."""
         with self._lock:
-            runs = [(jid, r) for jid, r in self._running.items() if not r.loop.stop.is_set()]
-        if not runs:
-            return None
-        spec = JobSpec.model_validate(self._row(runs[0][0]).spec)
-        t, n = self._buffered_cache
-        if time.monotonic() - t > 0.5:
-            n = self.store.stats().unconsumed_finished_rewarded
-            self._buffered_cache = (time.monotonic(), n)
-        if n >= spec.pacing.max_buffered:
-            ADMISSION_REJECTED.inc()
-            return spec.pacing.retry_after_s
-        return None
+            runs = [jid for jid, r in self._running.items() if not r.loop.stop.is_set()]
+        return JobSpec.model_validate(self._row(runs[0]).spec).pacing if runs else None
 
     # ---------------------------------------------------------------- lifecycle
     def restore(self) -> list[str]:
@@ -517,76 +317,3 @@ class JobManager:
             run.tb.close()
             with self._lock:
                 self._running.pop(job_id, None)
-
-
-class Evaluator:
-    """Runs the job's eval sets in the background (one round at a time) and reports per version."""
-
-    def __init__(self, specs: list[EvalSpec], base_url: str | None, api_key: str | None,
-                 on_event: Callable[[str, dict[str, Any]], None], tb: Any) -> None:
-        self.specs, self.base_url, self.api_key, self.on_event, self.tb = specs, base_url, api_key, on_event, tb
-        self._lock = threading.Lock()
-        self._running = False
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self._pending: tuple[list[EvalSpec], int, int] | None = None  # the newest round that came due meanwhile
-
-    def maybe_run(self, step: int, version: int) -> None:
-        due = [e for e in self.specs if step % e.every_steps == 0]
-        if not due or self.base_url is None:
-            return
-        with self._lock:
-            if self._closed:
-                return
-            if self._running:
-                self._pending = (due, step, version)
-                return
-            self._running = True
-            self._thread = threading.Thread(target=self._loop, args=(due, step, version), name="eval", daemon=True)
-            self._thread.start()
-
-    def close(self, timeout: float = 120.0) -> None:
-        """No new rounds; wait for the one in progress (its sessions must not outlive the job)."""
-        with self._lock:
-            self._closed, self._pending = True, None
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-
-    def _loop(self, specs: list[EvalSpec], step: int, version: int) -> None:
-        job: tuple[list[EvalSpec], int, int] | None = (specs, step, version)
-        while job is not None:
-            self._run(*job)
-            with self._lock:
-                job, self._pending = (None if self._closed else self._pending), None
-                if job is None:
-                    self._running = False
-
-    def _run(self, specs: list[EvalSpec], step: int, version: int) -> None:
-        import asyncio
-
-        from slime_server.agents.runner import AgentRunner, RunnerSettings
-        from slime_server.envs.base import get_environment, load_jsonl
-
-        try:
-            for e in specs:
-                env = get_environment(e.environment)
-                rows = load_jsonl(e.dataset)[: e.num_prompts] if e.dataset else env.default_dataset(e.num_prompts,
-                                                                                                      seed=e.seed)
-                runner = AgentRunner(env, RunnerSettings(
-                    base_url=self.base_url or "", api_key=self.api_key or "none", n_samples_per_prompt=1,
-                    concurrency=e.concurrency, temperature=e.temperature, max_tokens=e.max_tokens, seed=e.seed,
-                    post_rewards=False, serve_only=True))
-                try:
-                    summary = asyncio.run(runner.run(rows))
-                except Exception as exc:  # noqa: BLE001 - reported, never kills the job
-                    self.on_event("eval_failed", {"name": e.name, "step": step, "error": repr(exc)[:500]})
-                    continue
-                self.on_event("eval", {"name": e.name, "step": step, "version": version,
-                                       "success_rate": summary.success_rate, "mean_reward": summary.mean_reward,
-                                       "episodes": summary.episodes, "errors": summary.errors})
-                if self.tb is not None:
-                    self.tb.add_scalar(f"eval/{e.name}/success_rate", summary.success_rate, step)
-                    self.tb.flush()
-        except Exception as exc:  # noqa: BLE001 - an eval must never take the job down
-            self.on_event("eval_failed", {"step": step, "error": repr(exc)[:500]})

@@ -1,0 +1,129 @@
+"""What runs beside a job's training loop: a dataset job's episodes played through ``/v1``
+(``DatasetDriver``), and the job's eval rounds per policy version (``Evaluator``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from slime_server.jobs.spec import EvalSpec, JobSpec
+from slime_server.trainer.loop import TrainLoop
+
+log = logging.getLogger(__name__)
+
+
+class DatasetDriver:
+    """Plays a dataset job's episodes through /v1 while its loop runs (paused with it, stops with it)."""
+
+    def __init__(self, spec: JobSpec, loop: TrainLoop, base_url: str, api_key: str | None,
+                 on_event: Callable[[str, dict[str, Any]], None]) -> None:
+        from slime_server.agents.runner import AgentRunner, RunnerSettings
+        from slime_server.envs.base import get_environment, load_jsonl
+
+        d = spec.data
+        env = get_environment(d.environment or "")
+        self.rows = load_jsonl(d.dataset) if d.dataset else env.default_dataset(d.num_prompts, seed=d.seed)
+        if not self.rows:
+            raise ValueError("the dataset has no rows")
+        self.per_round = max(1, d.concurrency // spec.loop.n_samples_per_prompt)
+        self.runner = AgentRunner(env, RunnerSettings(
+            base_url=base_url, api_key=api_key or "none", n_samples_per_prompt=spec.loop.n_samples_per_prompt,
+            concurrency=d.concurrency, temperature=d.temperature, max_tokens=d.max_tokens))
+        self.loop, self.on_event = loop, on_event
+        self.episodes = 0
+
+    def run(self) -> None:
+        import asyncio
+
+        i = 0
+        while not self.loop.stop.is_set():
+            if self.loop.paused.is_set():
+                self.loop.stop.wait(0.2)
+                continue
+            chunk = [self.rows[(i + k) % len(self.rows)] for k in range(self.per_round)]
+            i += self.per_round
+            try:
+                summary = asyncio.run(self.runner.run(chunk))
+            except Exception as e:  # noqa: BLE001 - the server may be going down; retry unless stopping
+                log.warning("dataset episodes failed: %r", e)
+                self.loop.stop.wait(1.0)
+                continue
+            self.episodes += summary.episodes
+            self.on_event("episodes", {"episodes": summary.episodes, "total": self.episodes,
+                                       "mean_reward": summary.mean_reward, "success_rate": summary.success_rate,
+                                       "errors": summary.errors, "version": self.loop.state.version})
+
+
+class Evaluator:
+    """Runs the job's eval sets in the background (one round at a time) and reports per version."""
+
+    def __init__(self, specs: list[EvalSpec], base_url: str | None, api_key: str | None,
+                 on_event: Callable[[str, dict[str, Any]], None], tb: Any) -> None:
+        self.specs, self.base_url, self.api_key, self.on_event, self.tb = specs, base_url, api_key, on_event, tb
+        self._lock = threading.Lock()
+        self._running = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._pending: tuple[list[EvalSpec], int, int] | None = None  # the newest round that came due meanwhile
+
+    def maybe_run(self, step: int, version: int) -> None:
+        due = [e for e in self.specs if step % e.every_steps == 0]
+        if not due or self.base_url is None:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            if self._running:
+                self._pending = (due, step, version)
+                return
+            self._running = True
+            self._thread = threading.Thread(target=self._loop, args=(due, step, version), name="eval", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout: float = 120.0) -> None:
+        """No new rounds; wait for the one in progress (its sessions must not outlive the job)."""
+        with self._lock:
+            self._closed, self._pending = True, None
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _loop(self, specs: list[EvalSpec], step: int, version: int) -> None:
+        job: tuple[list[EvalSpec], int, int] | None = (specs, step, version)
+        while job is not None:
+            self._run(*job)
+            with self._lock:
+                job, self._pending = (None if self._closed else self._pending), None
+                if job is None:
+                    self._running = False
+
+    def _run(self, specs: list[EvalSpec], step: int, version: int) -> None:
+        import asyncio
+
+        from slime_server.agents.runner import AgentRunner, RunnerSettings
+        from slime_server.envs.base import get_environment, load_jsonl
+
+        try:
+            for e in specs:
+                env = get_environment(e.environment)
+                rows = load_jsonl(e.dataset)[: e.num_prompts] if e.dataset else env.default_dataset(e.num_prompts,
+                                                                                                      seed=e.seed)
+                runner = AgentRunner(env, RunnerSettings(
+                    base_url=self.base_url or "", api_key=self.api_key or "none", n_samples_per_prompt=1,
+                    concurrency=e.concurrency, temperature=e.temperature, max_tokens=e.max_tokens, seed=e.seed,
+                    post_rewards=False, serve_only=True))
+                try:
+                    summary = asyncio.run(runner.run(rows))
+                except Exception as exc:  # noqa: BLE001 - reported, never kills the job
+                    self.on_event("eval_failed", {"name": e.name, "step": step, "error": repr(exc)[:500]})
+                    continue
+                self.on_event("eval", {"name": e.name, "step": step, "version": version,
+                                       "success_rate": summary.success_rate, "mean_reward": summary.mean_reward,
+                                       "episodes": summary.episodes, "errors": summary.errors})
+                if self.tb is not None:
+                    self.tb.add_scalar(f"eval/{e.name}/success_rate", summary.success_rate, step)
+                    self.tb.flush()
+        except Exception as exc:  # noqa: BLE001 - an eval must never take the job down
+            self.on_event("eval_failed", {"step": step, "error": repr(exc)[:500]})

@@ -1,0 +1,151 @@
+"""What a job is: ``JobSpec`` (algorithm, data, loop, optimizer, pacing, evals, logging), the statuses, and
+``JobView``, the job as the API shows it. Validation happens here, at submit time, not in the trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from slime_server.buffer.job_store import JobRow
+from slime_server.job_logging import WandbSpec
+from slime_server.trainer.advantages import AdvantageConfig, Estimator
+from slime_server.trainer.loop import LoopSettings, LoopState
+from slime_server.trainer.losses import LossConfig
+from slime_server.trainer.optimizer import OptimizerSettings
+
+JobStatus = Literal["queued", "running", "paused", "completed", "failed", "cancelled"]
+ACTIVE: frozenset[str] = frozenset({"queued", "running", "paused"})
+Algorithm = Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataSpec(_Strict):
+    """``live``: train on whatever rewarded traffic reaches /v1. ``dataset``: the job also plays the
+    environment's episodes on its dataset through this server's /v1 (the agent runner, in-process)."""
+
+    source: Literal["live", "dataset"] = "live"
+    environment: str | None = Field(None, description="built-in name or module:attr (source=dataset)")
+    dataset: str | None = Field(None, description="JSONL path; default: the environment's generated rows")
+    num_prompts: int = Field(256, ge=1, description="rows generated when no dataset is given")
+    seed: int = 0
+    concurrency: int = Field(8, ge=1, description="episodes in flight")
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(64, ge=1)
+
+
+class PacingSpec(_Strict):
+    max_buffered: int = Field(256, ge=1, description="unconsumed rewarded trajectories before /v1 answers 429")
+    retry_after_s: float = Field(2.0, gt=0)
+
+
+class EvalSpec(_Strict):
+    """An evaluation set: episodes through the same runner (greedy by default, or sampled with fixed
+    seeds: the same random numbers for every policy version), serve-only, never trained on."""
+
+    name: str = Field(min_length=1, max_length=100)
+    environment: str
+    dataset: str | None = Field(None, description="JSONL path; default: the environment's generated rows")
+    num_prompts: int = Field(32, ge=1)
+    seed: int = 12345
+    every_steps: int = Field(10, ge=1, description="evaluate after every N training steps (and at step 0)")
+    max_tokens: int = Field(64, ge=1)
+    concurrency: int = Field(8, ge=1)
+    temperature: float = Field(0.0, ge=0, description="0 = greedy; > 0 samples with seeds from `seed`")
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalSpec:
+        from slime_server.envs.base import get_environment
+
+        get_environment(self.environment)
+        if self.dataset is not None and not Path(self.dataset).is_file():
+            raise ValueError(f"eval dataset {self.dataset!r} is not a file")
+        return self
+
+
+# estimators whose baseline is the group mean (a group of one learns nothing)
+GROUP_BASELINES = ("grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline")
+
+
+class JobSpec(_Strict):
+    """``POST /jobs`` body."""
+
+    name: str | None = Field(None, max_length=200)
+    base_model: str | None = Field(None, description="must be the served model (a live job trains it)")
+    algorithm: Algorithm = "reinforce_plus_plus"
+    data: DataSpec = Field(default_factory=DataSpec)
+    loop: LoopSettings = Field(default_factory=LoopSettings)
+    loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (eps_clip, kl_coef, ...)")
+    optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))
+    pacing: PacingSpec = Field(default_factory=PacingSpec)
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="default: the server's trainer setting")
+    eval: list[EvalSpec] = Field(default_factory=list, description="evaluated on a schedule, per policy version")
+    wandb: WandbSpec | None = Field(None, description="also log the job's metrics to Weights & Biases "
+                                    "(needs the wandb package on the server; TensorBoard files are always written)")
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSpec:
+        if self.data.source == "dataset":
+            from slime_server.envs.base import get_environment
+
+            if not self.data.environment:
+                raise ValueError("data.source 'dataset' needs data.environment (e.g. 'calculator')")
+            get_environment(self.data.environment)  # unknown names fail at submit time
+            if self.data.dataset is not None and not Path(self.data.dataset).is_file():
+                raise ValueError(f"data.dataset {self.data.dataset!r} is not a file")
+            need = self.loop.batch_size + self.data.concurrency
+            if self.pacing.max_buffered < need:
+                # the buffer holds < batch_size samples of complete groups plus the members of the groups
+                # in flight (< concurrency); a smaller limit can pace out the episodes that would complete a
+                # group while the trainer waits for complete groups: a deadlock
+                raise ValueError(f"pacing.max_buffered ({self.pacing.max_buffered}) must be >= loop.batch_size + "
+                                 f"data.concurrency ({need}) for a dataset job")
+        if self.loop.n_samples_per_prompt == 1 and self.estimator() in GROUP_BASELINES:
+            raise ValueError(f"algorithm {self.algorithm!r} subtracts its group's mean reward: with "
+                             "loop.n_samples_per_prompt 1 every advantage is 0; use 'reinforce_plus_plus' (batch "
+                             "baseline) or groups of n >= 2")
+        LossConfig(**self.loss_config())  # fail at submit time, not in the trainer
+        return self
+
+    def estimator(self) -> Estimator:
+        return "grpo" if self.algorithm == "ppo" else self.algorithm
+
+    def loss_config(self) -> dict[str, Any]:
+        return {"loss_type": self.algorithm if self.algorithm != "dr_grpo" else "grpo", **self.loss}
+
+    def loop_settings(self) -> LoopSettings:
+        adv = self.loop.advantage.model_copy(update={"estimator": self.estimator()})
+        return self.loop.model_copy(update={"advantage": AdvantageConfig.model_validate(adv.model_dump())})
+
+
+class JobView(BaseModel):
+    """``GET /jobs/{id}``."""
+
+    id: str
+    object: Literal["job"] = "job"
+    name: str | None
+    status: str
+    spec: dict[str, Any]
+    step: int
+    policy_version: int
+    checkpoints: list[dict[str, Any]]
+    dropped_stale: int
+    dropped_zero_variance: int
+    downweighted: int
+    restarts: int
+    error: str | None
+    created_at: float
+    updated_at: float
+
+
+def view(row: JobRow) -> JobView:
+    st = LoopState.model_validate(row.state)
+    return JobView(id=row.id, name=row.spec.get("name"), status=row.status, spec=row.spec, step=st.step,
+                   policy_version=st.version, checkpoints=[c.model_dump() for c in st.checkpoints],
+                   dropped_stale=st.dropped_stale, dropped_zero_variance=st.dropped_zero_variance,
+                   downweighted=st.downweighted, restarts=st.restarts, error=row.error,
+                   created_at=row.created_at, updated_at=row.updated_at)
