@@ -32,6 +32,7 @@ class Subcommand(Protocol):
 SUBCOMMANDS: dict[str, str] = {
     "engines": "slime_server.cli:EnginesCommand",
     "serve": "slime_server.api.serve_cmd:ServeCommand",
+    "gateway": "slime_server.api.gateway_cmd:GatewayCommand",
     "demo": "slime_server.demo:DemoCommand",
     "export": "slime_server.buffer.export:ExportCommand",
     "keys": "slime_server.buffer.keys_cli:KeysCommand",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group, python_module_cmd, spawn
@@ -35,10 +36,18 @@ class GatewayProc:
 
 
 def start_gateway(router_url: str, model_path: Path, db_path: Path, log_path: Path,
-                  *extra: str) -> GatewayProc:
+                  *extra: str, settings: dict | None = None) -> GatewayProc:
+    """``slime-server gateway`` on a free port; ``settings``: more of the gateway section (limits, CORS, ...),
+    given as the user would, in a ``--config`` YAML file beside the log."""
     port = find_free_port()
-    cmd = python_module_cmd("slime_server.api.server", "--router-url", router_url, "--model-path", str(model_path),
-                            "--db-path", str(db_path), "--port", str(port), "--served-model-name", MODEL, *extra)
+    config: list[str] = []
+    if settings:
+        path = log_path.with_suffix(".settings.yaml")
+        path.write_text(yaml.safe_dump({"gateway": settings}))
+        config = ["--config", str(path)]
+    cmd = python_module_cmd("slime_server.cli", "gateway", "--router-url", router_url, "--model-path",
+                            str(model_path), "--db-path", str(db_path), "--port", str(port), "--served-model-name",
+                            MODEL, *config, *extra)
     proc = spawn(cmd, env={"OMP_NUM_THREADS": "1"}, log_path=str(log_path))
     url = f"http://127.0.0.1:{port}"
     try:
@@ -55,7 +64,7 @@ def stop_gateway(gw: GatewayProc) -> None:
 
 @contextmanager
 def inprocess_gateway(router_url: str, model_path: Path, db_path: Path) -> Iterator[tuple[str, object]]:
-    """The app of ``slime_server.api.server`` served by uvicorn on a thread of this process (as ``serve``
+    """The gateway app (``api/server.build_gateway``) served by uvicorn on a thread of this process (as ``serve``
     runs it); yields (base URL, app) for tests that reach into it (attach a JobManager, watch its store)."""
     from slime_server.api.gateway_thread import GatewayThread
     from slime_server.api.server import build_gateway

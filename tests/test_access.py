@@ -174,7 +174,7 @@ def test_export_over_http(gateway: GatewayProc, offline_admin_key: str) -> None:
 def limited(router_url: str, tiny_model_path: Path, work: Path) -> Iterator[GatewayProc]:  # noqa: F811
     settings = {"cors_origins": ["http://allowed.example"], "max_prompt_tokens": 40, "max_output_tokens": 4}
     gw = start_gateway(router_url, tiny_model_path, work / "limited.db", work / "limited.log",
-                       "--settings-json", json.dumps(settings), "--log-level", "info", "--log-format", "json")
+                       "--log-level", "info", "--log-format", "json", settings=settings)
     yield gw
     stop_gateway(gw)
 

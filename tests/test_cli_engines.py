@@ -98,3 +98,13 @@ def test_unknown_flag_is_a_usage_error() -> None:
     r = subprocess.run([str(CLI), "engines", "--no-such-flag"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "--no-such-flag" in r.stderr
+
+
+def test_gateway_command_refuses_an_open_bind_without_an_admin_key(tmp_path: Path) -> None:
+    """The gateway alone follows the same rule as ``serve``: beyond loopback only with an admin key."""
+    cmd = [str(CLI), "gateway", "--router-url", "http://127.0.0.1:9", "--model-path", str(tmp_path),
+           "--db-path", str(tmp_path / "db.sqlite"), "--host", "0.0.0.0", "--api-key", "agent-only"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith("error: ") and "admin" in r.stderr and "--insecure-gateway" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "db.sqlite").exists()  # refused before anything opened

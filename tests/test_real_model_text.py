@@ -118,7 +118,7 @@ def test_tool_calls_with_non_ascii_arguments(gateway: GatewayProc) -> None:
 def test_tools_are_refused_when_the_template_ignores_them_and_the_fallback_is_off(
         router_url: str, real_model_path: Path, tmp_path: Path) -> None:
     gw = start_gateway(router_url, real_model_path, tmp_path / "traj.db", tmp_path / "gateway.log",
-                       "--settings-json", json.dumps({"tools_fallback": "error"}))
+                       settings={"tools_fallback": "error"})
     try:
         client = openai_client(gw)
         with pytest.raises(openai.BadRequestError) as info:

@@ -60,7 +60,7 @@ def main() -> None:
             while not router.worker_urls(healthy_only=True):
                 time.sleep(0.2)
             port = find_free_port()
-            gw_proc = spawn(python_module_cmd("slime_server.api.server", "--router-url", router.url, "--model-path",
+            gw_proc = spawn(python_module_cmd("slime_server.cli", "gateway", "--router-url", router.url, "--model-path",
                                               model, "--db-path", str(tmp / "traj.db"), "--port", str(port),
                                               "--served-model-name", "bench"), log_path=str(tmp / "gateway.log"))
             gw_url = f"http://127.0.0.1:{port}"

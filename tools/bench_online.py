@@ -141,7 +141,7 @@ def serving_stack(model: str, engines: int, log_dir: str | Path | None, name: st
                     raise RuntimeError("the router never saw every engine healthy")
                 time.sleep(0.2)
             port, db = find_free_port(), logs / "traj.db"
-            gw_proc = spawn(python_module_cmd("slime_server.api.server", "--router-url", router.url, "--model-path",
+            gw_proc = spawn(python_module_cmd("slime_server.cli", "gateway", "--router-url", router.url, "--model-path",
                                               model_path, "--db-path", str(db), "--port", str(port),
                                               "--served-model-name", name), log_path=str(logs / "gateway.log"))
             base = f"http://127.0.0.1:{port}"
