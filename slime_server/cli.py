@@ -61,6 +61,17 @@ SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--colocate": ("trainer.colocate", bool),
     "--log-level": ("log.level", str),
     "--log-format": ("log.format", str),
+    "--online": ("online.enabled", bool),
+    "--judge-url": ("online.judge_url", str),
+    "--judge-engine-model": ("online.judge_engine_model", str),
+    "--judge-engines": ("online.judge_engines", int),
+    "--judge-model": ("online.judge_model", str),
+    "--judge-api-key": ("online.judge_api_key", str),
+    "--judge-votes": ("online.judge_votes", int),
+    "--online-batch-size": ("online.batch_size", int),
+    "--online-lr": ("online.lr", float),
+    "--opd-weight": ("online.opd_weight", float),
+    "--rl-weight": ("online.rl_weight", float),
 }
 
 

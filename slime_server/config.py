@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -144,6 +144,31 @@ class TrainerSettings(_Section):
         default_factory=dict, description="Megatron TransformerConfig overrides (from --megatron-key value flags)")
 
 
+class OnlineSettingsSection(_Section):
+    """Online learning (``serve --online``; ``gateway --online`` for the feedback alone): each assistant turn is
+    judged from the user's next one, and (``serve``) a live job trains on the judged turns continuously."""
+
+    enabled: bool = Field(False, description="judge live turns and, with serve, train on them continuously")
+    judge_url: str | None = Field(None, description="OpenAI-compatible /v1 of the judge (default: this server)")
+    judge_engine_model: str | None = Field(
+        None, description="serve the judge from this model (HF dir or 'tiny') on engines of its own behind its own "
+        "sgl-router; never trained (excludes judge_url; serve only)")
+    judge_engines: int = Field(1, ge=1, description="engines for judge_engine_model")
+    judge_model: str | None = Field(None, description="judge model id (default: the first the URL lists)")
+    judge_api_key: str = Field("none", description="the judge URL's key (this server's own: gateway.api_key)")
+    judge_votes: int = Field(1, ge=1, description="judge samples per turn (majority vote)")
+    batch_size: int = Field(16, ge=1, description="judged turns per optimizer step of the live job")
+    lr: float = Field(1e-5, gt=0, description="the live job's learning rate")
+    opd_weight: float = Field(1.0, ge=0, description="w_opd of hinted turns (0 disables on-policy distillation)")
+    rl_weight: float = Field(1.0, ge=0, description="w_rl: weight of the judge's scalar reward")
+
+    @model_validator(mode="after")
+    def _one_judge(self) -> OnlineSettingsSection:
+        if self.judge_engine_model is not None and self.judge_url is not None:
+            raise ValueError("online.judge_engine_model excludes online.judge_url")
+        return self
+
+
 class LogSettings(_Section):
     """The server process's own log lines (engines and the router keep their own log files)."""
 
@@ -165,6 +190,7 @@ class ServerSettings(BaseSettings):
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    online: OnlineSettingsSection = Field(default_factory=OnlineSettingsSection)
 
     @classmethod
     def settings_customise_sources(

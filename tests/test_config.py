@@ -114,3 +114,23 @@ def test_cli_reports_bad_settings_as_usage_error(capsys: pytest.CaptureFixture[s
         main(["engines", "--router-policy", "nonsense"])
     assert e.value.code == 2
     assert "router.policy" in capsys.readouterr().err
+
+
+def test_online_settings_from_flags_env_and_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The online preset's settings are a section of the tree like any other: one flag, env or YAML each."""
+    from slime_server.online.preset import feedback_settings, online_job_spec
+
+    cfg = tmp_path / "online.yaml"
+    cfg.write_text("online:\n  enabled: true\n  judge_votes: 3\n  lr: 0.001\n")
+    monkeypatch.setenv("SLIME_ONLINE__JUDGE_URL", "http://judge:8001/v1")
+    s = _settings(["serve", "--config", str(cfg), "--opd-weight", "0", "--online-batch-size", "8"])
+    o = s.online
+    assert (o.enabled, o.judge_votes, o.lr, o.judge_url, o.opd_weight, o.batch_size) == (
+        True, 3, 0.001, "http://judge:8001/v1", 0.0, 8)
+    fb = feedback_settings(o)
+    assert (fb.judge.base_url, fb.judge.votes, fb.judge.temperature, fb.opd) == ("http://judge:8001/v1", 3, 0.7, False)
+    job = online_job_spec(o)
+    assert job["loop"]["batch_size"] == 8 and job["loop"]["opd"] is None and job["optimizer"]["lr"] == 0.001
+    assert _settings(["gateway", "--router-url", "u", "--model-path", "m", "--online"]).online.enabled
+    with pytest.raises(ValidationError, match="excludes online.judge_url"):  # one judge only (the CLI: exit 2)
+        _settings(["serve", "--online", "--judge-url", "http://j/v1", "--judge-engine-model", "tiny"])

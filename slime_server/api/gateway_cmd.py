@@ -15,10 +15,9 @@ import logging
 
 from slime_server.api.auth import check_bind
 from slime_server.api.server import build_gateway
-from slime_server.config import GatewaySettings, ServerSettings
+from slime_server.config import GatewaySettings, ServerSettings, SetupError
 from slime_server.online.attach import attach_online
-from slime_server.online.feedback import OnlineSettings
-from slime_server.online.judge import JudgeSettings
+from slime_server.online.preset import feedback_settings
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +40,21 @@ class GatewayCommand:
         g.add_argument("--admin-api-key", default=None, help="sets gateway.admin_api_key")
         g.add_argument("--db-path", default=None, help="sets gateway.db_path (a SQLite file or a postgresql:// URL)")
         g.add_argument("--served-model-name", default=None, help="sets gateway.served_model_name")
-        o = parser.add_argument_group("online learning: implicit feedback on this gateway's turns")
-        o.add_argument("--online", action="store_true", help="judge each turn from the user's next one")
-        o.add_argument("--judge-url", default=None, help="the judge's /v1 (default: this gateway)")
-        o.add_argument("--judge-model", default=None, help="judge model id (default: the first the URL lists)")
-        o.add_argument("--judge-votes", type=int, default=1, help="judge samples per turn (majority vote)")
-        o.add_argument("--no-opd", action="store_true", help="do not score judge hints with the hinted teacher")
+        # online learning: the settings' online section (--online, --judge-url, --judge-model, --judge-votes,
+        # --opd-weight 0 to leave hints unscored); the live job and the judge's own engines are serve's
 
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
         import uvicorn
 
+        if settings.online.enabled and settings.online.judge_engine_model is not None:
+            raise SetupError("online.judge_engine_model is serve's (the gateway alone starts no engines): "
+                             "give the judge's URL (--judge-url) instead")
         overrides = {field: getattr(args, field) for field in GATEWAY_FLAGS if getattr(args, field) is not None}
         gw = GatewaySettings.model_validate({**settings.gateway.model_dump(), **overrides})
         if check_bind(gw.host, gw.admin_api_key, gw.insecure):  # raises (exit 2) unless insecure
             log.warning("serving on %s with no admin key (--insecure-gateway)", gw.host)
         app = build_gateway(args.router_url, args.model_path, gw, engine_api_key=settings.engine.api_key)
-        if args.online:
-            judge = JudgeSettings(base_url=args.judge_url, model=args.judge_model, votes=args.judge_votes)
-            attach_online(app.state.gw, OnlineSettings(opd=not args.no_opd, judge=judge), gw)
+        if settings.online.enabled:
+            attach_online(app.state.gw, feedback_settings(settings.online), gw)
         uvicorn.run(app, host=gw.host, port=gw.port, log_level=settings.log.level, access_log=False)
         return 0

@@ -15,8 +15,7 @@ from typing import Any
 from slime_server.api.gateway_thread import GatewayThread
 from slime_server.config import GatewaySettings, ServerSettings
 from slime_server.online.attach import attach_online
-from slime_server.online.feedback import OnlineSettings
-from slime_server.online.preset import add_online_arguments, judge_settings, online_job_spec
+from slime_server.online.preset import feedback_settings, online_job_spec
 from slime_server.rollout.supervisor import EngineSupervisor
 
 
@@ -167,16 +166,17 @@ class ServeCommand:
                             help="JSONL eval set played greedily on a schedule for every job that names none "
                                  "(repeatable); environment: --eval-env or the job's data.environment")
         parser.add_argument("--eval-env", default=None, help="environment of the --eval-data sets")
-        add_online_arguments(parser)
+        # online learning: the settings' online section (--online, --judge-url, ... are settings flags)
 
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
         from slime_server.cli import run_until_signal
         from slime_server.utils.eval_args import parse_eval_data
 
         evals = parse_eval_data(args.eval_data)
-        online = OnlineSettings(judge=judge_settings(args), opd=args.opd_weight > 0) if args.online else None
-        if args.judge_engine_model is not None and (not args.online or args.judge_url is not None):
-            raise SystemExit("--judge-engine-model needs --online and excludes --judge-url")
+        section = settings.online
+        online = feedback_settings(section) if section.enabled else None
+        if section.judge_engine_model is not None and not section.enabled:
+            raise SystemExit("--judge-engine-model (online.judge_engine_model) needs --online")
 
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
                                        ("admin_api_key", args.admin_api_key), ("db_path", args.db_path))
@@ -186,8 +186,9 @@ class ServeCommand:
         def start() -> RunningServer:
             running = start_server(settings, gw_settings, args.log_dir, trainer=not args.no_trainer,
                                    default_evals=evals, eval_env=args.eval_env, online=online,
-                                   online_job=online_job_spec(args) if args.online and not args.no_trainer else None,
-                                   judge_engine_model=args.judge_engine_model, judge_engines=args.judge_engines)
+                                   online_job=online_job_spec(section) if section.enabled and not args.no_trainer
+                                   else None,
+                                   judge_engine_model=section.judge_engine_model, judge_engines=section.judge_engines)
             print(f"openai_base_url: {running.base_url}", flush=True)
             return running
 

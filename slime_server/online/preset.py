@@ -1,4 +1,5 @@
-"""``slime-server serve --online``: a served model that learns from its own conversations.
+"""``slime-server serve --online``: a served model that learns from its own conversations (settings: the
+tree's ``online`` section, ``config.OnlineSettingsSection``).
 
 What the preset wires together:
   * implicit feedback on the gateway (``online/feedback.py``): every user turn that follows an
@@ -13,44 +14,30 @@ Explicit feedback (``POST /v1/responses/{id}/feedback``) and session rewards kee
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
+from slime_server.config import OnlineSettingsSection
+from slime_server.online.feedback import OnlineSettings
 from slime_server.online.judge import JudgeSettings
 
 
-def add_online_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("online learning (--online)")
-    g.add_argument("--online", action="store_true", help="judge live turns and train on them continuously")
-    g.add_argument("--judge-url", default=None, help="OpenAI-compatible /v1 of the judge (default: this server)")
-    g.add_argument("--judge-engine-model", default=None, metavar="MODEL",
-                   help="serve the judge from this model (HF dir or 'tiny') on engines of its own behind its own "
-                        "sgl-router; never trained (excludes --judge-url)")
-    g.add_argument("--judge-engines", type=int, default=1, help="engines for --judge-engine-model")
-    g.add_argument("--judge-model", default=None, help="judge model id (default: the first the URL lists)")
-    g.add_argument("--judge-api-key", default="none")
-    g.add_argument("--judge-votes", type=int, default=1, help="judge samples per turn (majority vote)")
-    g.add_argument("--online-batch-size", type=int, default=16, help="judged turns per optimizer step")
-    g.add_argument("--online-lr", type=float, default=1e-5)
-    g.add_argument("--opd-weight", type=float, default=1.0, help="w_opd of hinted turns (0 disables OPD)")
-    g.add_argument("--rl-weight", type=float, default=1.0, help="w_rl: weight of the judge's scalar reward")
+def feedback_settings(online: OnlineSettingsSection) -> OnlineSettings:
+    """What the gateway's implicit feedback needs of the ``online`` settings section."""
+    judge = JudgeSettings(base_url=online.judge_url, model=online.judge_model, api_key=online.judge_api_key,
+                          votes=online.judge_votes, temperature=0.0 if online.judge_votes == 1 else 0.7)
+    return OnlineSettings(judge=judge, opd=online.opd_weight > 0)
 
 
-def judge_settings(args: argparse.Namespace) -> JudgeSettings:
-    return JudgeSettings(base_url=args.judge_url, model=args.judge_model, api_key=args.judge_api_key,
-                         votes=args.judge_votes, temperature=0.0 if args.judge_votes == 1 else 0.7)
-
-
-def online_job_spec(args: argparse.Namespace) -> dict[str, Any]:
+def online_job_spec(online: OnlineSettingsSection) -> dict[str, Any]:
     """The live job the preset starts (a JobSpec body; POST /jobs takes the same)."""
     return {
         "name": "online",
         "algorithm": "reinforce_plus_plus",
         "data": {"source": "live"},
-        "loop": {"batch_size": args.online_batch_size, "n_samples_per_prompt": 1, "max_staleness": 2,
+        "loop": {"batch_size": online.batch_size, "n_samples_per_prompt": 1, "max_staleness": 2,
                  "stale_policy": "downweight", "update_weights_interval": 1, "checkpoint_interval": 20,
-                 "opd": {"w_rl": args.rl_weight, "w_opd": args.opd_weight} if args.opd_weight > 0 else None},
-        "optimizer": {"lr": args.online_lr, "clip_grad": 1.0},
+                 "opd": {"w_rl": online.rl_weight, "w_opd": online.opd_weight} if online.opd_weight > 0 else None},
+        "optimizer": {"lr": online.lr, "clip_grad": 1.0},
         # live traffic is never refused for training's sake: pacing only bounds what waits in the buffer
         "pacing": {"max_buffered": 100_000},
     }
