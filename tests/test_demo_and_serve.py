@@ -18,6 +18,7 @@ from openai import OpenAI
 from test_cli_engines import CLI, _lines, _wait_for
 
 from slime_server.utils.net import find_free_port
+from slime_server.utils.procs import kill_group
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,8 +74,7 @@ def test_demo_records_an_episode_then_serves_until_sigterm(tiny_model_path: Path
         rest = _stop_and_check_no_orphans(proc, tree, lines)
         assert "[demo] stopped" in rest
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)
     assert db.exists()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
@@ -106,5 +106,4 @@ def test_serve_with_api_key(tiny_model_path: Path, tmp_path: Path) -> None:
         rest = _stop_and_check_no_orphans(proc, tree, lines)
         assert "stopped" in rest
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)

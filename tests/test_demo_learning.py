@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from test_cli_engines import CLI
 
 from slime_server.utils.eval_args import parse_eval_data
+from slime_server.utils.procs import kill_group
 
 pytestmark = pytest.mark.timeout(3000)
 
@@ -62,8 +62,7 @@ def test_shortened_demo_learns(tiny_model_path: Path, tmp_path: Path) -> None:
     try:
         out, _ = proc.communicate(timeout=2900)  # ~17 min here; CI machines have run it ~1.7x slower
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)
     sys.stdout.write(out[-3000:])
     assert proc.returncode == 0
     summary = json.loads(next(line for line in out.splitlines() if line.startswith("[demo] summary: "))

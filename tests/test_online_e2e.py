@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from test_cli_engines import CLI, _lines, _wait_for
 
 from slime_server.online.simulate import UserDislikes, disliked_rate, simulate
 from slime_server.utils.net import find_free_port
+from slime_server.utils.procs import stop_leader
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -66,9 +66,4 @@ def test_online_serving_judges_trains_and_pushes_without_failures(tiny_model_pat
             assert len(seen) >= 48 * len(rounds) - 8  # (nearly) every first turn was judged from the reaction
             assert after <= before - 0.2, (before, after)
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=90)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            stop_leader(proc)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import sqlite3
 import subprocess
 import time
@@ -21,6 +20,7 @@ from test_cli_engines import CLI, _lines, _wait_for
 
 from slime_server.online.simulate import simulate
 from slime_server.utils.net import find_free_port
+from slime_server.utils.procs import stop_leader
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -69,9 +69,4 @@ def test_judge_on_its_own_engines_is_used_and_never_trained(tiny_model_path: Pat
         assert len(judge_workers) == 1 and not judge_workers & policy_workers
         assert engine_versions(judge_router) == judge_version
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_leader(proc)

@@ -44,6 +44,18 @@ def kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         pass
 
 
+def stop_leader(proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    """SIGTERM the group's leader only (its own shutdown stops what it started, as ``serve`` does), wait, then
+    SIGKILL the whole group: whatever the leader left behind, or all of it if the leader hung."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_group(proc, timeout=10.0)
+
+
 def _kill_pg(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)
