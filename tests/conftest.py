@@ -1,4 +1,6 @@
-"""Shared fixtures: the tiny model and the registry model are built once per machine (cached, process-safe)."""
+"""Shared fixtures: the tiny model and the registry model are built once per machine (cached, process-safe);
+``_gateway_helpers`` is a plugin, so its ``router_url`` and ``gateway`` fixtures reach every module without
+an import (a module may define its own of the same name, which then wins)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["_gateway_helpers"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

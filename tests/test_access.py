@@ -20,7 +20,6 @@ from _gateway_helpers import (
     MODEL,
     GatewayProc,
     openai_client,
-    router_url,  # noqa: F401 - module fixture
     start_gateway,
     stop_gateway,
 )
@@ -48,7 +47,7 @@ def offline_admin_key(work: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def gateway(router_url: str, tiny_model_path: Path, work: Path,  # noqa: F811
+def gateway(router_url: str, tiny_model_path: Path, work: Path,
             offline_admin_key: str) -> Iterator[GatewayProc]:
     gw = start_gateway(router_url, tiny_model_path, work / "traj.db", work / "gateway.log",
                        "--api-key", SHARED, "--admin-api-key", ADMIN)
@@ -171,7 +170,7 @@ def test_export_over_http(gateway: GatewayProc, offline_admin_key: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def limited(router_url: str, tiny_model_path: Path, work: Path) -> Iterator[GatewayProc]:  # noqa: F811
+def limited(router_url: str, tiny_model_path: Path, work: Path) -> Iterator[GatewayProc]:
     settings = {"cors_origins": ["http://allowed.example"], "max_prompt_tokens": 40, "max_output_tokens": 4}
     gw = start_gateway(router_url, tiny_model_path, work / "limited.db", work / "limited.log",
                        "--log-level", "info", "--log-format", "json", settings=settings)

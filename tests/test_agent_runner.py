@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from _gateway_helpers import GatewayProc, gateway, router_url  # noqa: F401
+from _gateway_helpers import GatewayProc
 
 from slime_server.agents.runner import AgentRunner, RunnerSettings
 from slime_server.envs.calculator import CalculatorEnv
@@ -16,7 +16,7 @@ from slime_server.envs.calculator import CalculatorEnv
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_sixteen_episodes_in_four_groups_are_recorded_with_rewards(gateway: GatewayProc) -> None:  # noqa: F811
+def test_sixteen_episodes_in_four_groups_are_recorded_with_rewards(gateway: GatewayProc) -> None:
     env = CalculatorEnv()
     rows = env.default_dataset(4, seed=1)
     runner = AgentRunner(env, RunnerSettings(base_url=gateway.base_url, n_samples_per_prompt=4, concurrency=8,
@@ -35,7 +35,7 @@ def test_sixteen_episodes_in_four_groups_are_recorded_with_rewards(gateway: Gate
     assert sorted(len(v) for v in groups.values()) == [4, 4, 4, 4]
 
 
-def test_agent_cli_runs_and_reports(gateway: GatewayProc, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+def test_agent_cli_runs_and_reports(gateway: GatewayProc, capsys: pytest.CaptureFixture[str]) -> None:
     from slime_server.cli import main
 
     code = main(["agent", "run", "--env", "calculator", "--base-url", gateway.base_url, "--num-prompts", "2",

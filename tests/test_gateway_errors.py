@@ -16,7 +16,6 @@ from _gateway_helpers import (
     WEATHER_TOOL,
     GatewayProc,
     openai_client,
-    router_url,  # noqa: F401 - module fixture
     start_gateway,
     stop_gateway,
 )
@@ -28,7 +27,7 @@ API_KEY = "sk-test-operator"
 
 
 @pytest.fixture(scope="module")
-def gateway(router_url: str, tiny_model_path: Path,  # noqa: F811
+def gateway(router_url: str, tiny_model_path: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
     d = tmp_path_factory.mktemp("gateway")
     gw = start_gateway(router_url, tiny_model_path, d / "traj.db", d / "gateway.log", "--api-key", API_KEY)
@@ -136,7 +135,7 @@ def test_openapi_schema_is_served(gateway: GatewayProc) -> None:
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/sessions"} <= set(spec["paths"])
 
 
-def test_kill_9_after_response_keeps_the_trajectory(router_url: str, tiny_model_path: Path,  # noqa: F811
+def test_kill_9_after_response_keeps_the_trajectory(router_url: str, tiny_model_path: Path,
                                                     tmp_path: Path) -> None:
     db = tmp_path / "traj.db"
     gw = start_gateway(router_url, tiny_model_path, db, tmp_path / "a.log")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _gateway_helpers import MODEL, GatewayProc, openai_client, router_url, start_gateway, stop_gateway  # noqa: F401
+from _gateway_helpers import MODEL, GatewayProc, openai_client, start_gateway, stop_gateway
 from _judge_helpers import HINT, running_judge
 
 from slime_server.buffer.schema import Trajectory, Turn
@@ -55,7 +55,7 @@ def judge() -> Iterator[tuple[str, list[str]]]:
 
 
 @pytest.fixture(scope="module")
-def online_gateway(router_url: str, tiny_model_path: Path, judge, tmp_path_factory) -> Iterator[GatewayProc]:  # noqa: F811
+def online_gateway(router_url: str, tiny_model_path: Path, judge, tmp_path_factory) -> Iterator[GatewayProc]:
     d = tmp_path_factory.mktemp("online")
     gw = start_gateway(router_url, tiny_model_path, d / "traj.db", d / "gateway.log", "--online",
                        "--judge-url", judge[0])
@@ -115,7 +115,7 @@ def test_complaint_and_praise_become_judged_samples(online_gateway: GatewayProc,
         _sample(gw, sample_session_id(main["id"], 2), timeout=1.0)
 
 
-def test_unhinted_teacher_equals_the_student(router_url: str, online_gateway: GatewayProc) -> None:  # noqa: F811
+def test_unhinted_teacher_equals_the_student(router_url: str, online_gateway: GatewayProc) -> None:
     """Scoring the response under its own context reproduces the rollout log-probs: the teacher
     term is exactly the effect of the hint."""
     import asyncio

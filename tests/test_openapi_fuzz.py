@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import schemathesis
-from _gateway_helpers import MODEL, inprocess_gateway, router_url  # noqa: F401 - module fixture
+from _gateway_helpers import MODEL, inprocess_gateway
 from hypothesis import HealthCheck, settings
 
 from slime_server.api.protocol import MAX_N as MAX_N_SPEC
@@ -43,7 +43,7 @@ def _refuse_trainer(spec: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def live_url(router_url: str, tiny_model_path: Path,  # noqa: F811
+def live_url(router_url: str, tiny_model_path: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The gateway with a JobManager attached (its trainer factory refuses), over the real router."""
     from slime_server.buffer.job_store import SQLiteJobStore

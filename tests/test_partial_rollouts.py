@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from _gateway_helpers import MODEL, GatewayProc, gateway, openai_client, router_url  # noqa: F401
+from _gateway_helpers import MODEL, GatewayProc, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,8 +47,8 @@ def _counter(gw: GatewayProc, name: str) -> float:
     return 0.0
 
 
-def test_engine_abort_is_continued_and_equals_the_uninterrupted_answer(gateway: GatewayProc,  # noqa: F811
-                                                                        router_url: str) -> None:  # noqa: F811
+def test_engine_abort_is_continued_and_equals_the_uninterrupted_answer(gateway: GatewayProc,
+                                                                        router_url: str) -> None:
     client = openai_client(gateway)
     kw = dict(model=MODEL, messages=PROMPT, max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
     reference = client.chat.completions.create(**kw)
@@ -73,7 +73,7 @@ def test_engine_abort_is_continued_and_equals_the_uninterrupted_answer(gateway: 
     assert all(lp <= 0 for lp, m in zip(traj[0]["rollout_logprobs"], traj[0]["loss_mask"], strict=True) if m)
 
 
-def test_session_abort_stops_the_generation_for_good(gateway: GatewayProc, router_url: str) -> None:  # noqa: F811
+def test_session_abort_stops_the_generation_for_good(gateway: GatewayProc, router_url: str) -> None:
     client = openai_client(gateway)
     sid = "surplus-1"
     result: dict = {}
@@ -94,7 +94,7 @@ def test_session_abort_stops_the_generation_for_good(gateway: GatewayProc, route
     assert httpx.post(f"{gateway.base_url}/sessions/no-such-session/abort", timeout=10).status_code == 404
 
 
-def test_session_abort_reaches_every_sample_of_n(gateway: GatewayProc, router_url: str) -> None:  # noqa: F811
+def test_session_abort_reaches_every_sample_of_n(gateway: GatewayProc, router_url: str) -> None:
     """n = 3 runs as three engine requests of n = 1 ({rid}_0.._2: SGLang names the samples of one n > 1
     request with fresh uuids, which no abort by rid reaches): the session abort stops all three."""
     client = openai_client(gateway)
@@ -122,7 +122,7 @@ def test_session_abort_reaches_every_sample_of_n(gateway: GatewayProc, router_ur
     assert sum(sum(t["loss_mask"]) for t in trajs) == done.usage.completion_tokens
 
 
-def test_session_abort_reaches_a_continuation(gateway: GatewayProc, router_url: str) -> None:  # noqa: F811
+def test_session_abort_reaches_a_continuation(gateway: GatewayProc, router_url: str) -> None:
     """The engine aborts a generation (a weight update's pause), the gateway sends the continuation
     ({rid}-cont0) which waits on the paused engine; the session abort now must stop that one."""
     client = openai_client(gateway)

@@ -18,7 +18,6 @@ from _gateway_helpers import (
     MODEL,
     GatewayProc,
     openai_client,
-    router_url,  # noqa: F401 - module fixture
     start_gateway,
     stop_gateway,
 )
@@ -29,7 +28,7 @@ ADMIN = "sk-test-admin"
 
 
 @pytest.fixture(scope="module")
-def replicas(router_url: str, tiny_model_path: Path,  # noqa: F811
+def replicas(router_url: str, tiny_model_path: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayProc, GatewayProc]]:
     bindir = find_bindir()
     if bindir is None:

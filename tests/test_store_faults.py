@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _gateway_helpers import MODEL, inprocess_gateway, router_url, start_gateway, stop_gateway  # noqa: F401
+from _gateway_helpers import MODEL, inprocess_gateway, start_gateway, stop_gateway
 from _sessions_helpers import FakeEngine
 
 from slime_server.buffer.schema import StoreUnavailable
@@ -144,7 +144,7 @@ def assert_store_unavailable(r: httpx.Response) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
 def test_gateway_answers_503_and_recovers(fault: str, disk: FailingDisk, tmp_path: Path,
-                                          router_url: str, tiny_model_path: Path) -> None:  # noqa: F811
+                                          router_url: str, tiny_model_path: Path) -> None:
     db = tmp_path / "traj.db"
     with inprocess_gateway(router_url, tiny_model_path, db) as (url, _), \
             httpx.Client(base_url=url, timeout=60) as http:  # a hang fails the test
@@ -223,7 +223,7 @@ def fill(path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_real_full_disk(tmp_path: Path, router_url: str, tiny_model_path: Path) -> None:  # noqa: F811
+def test_real_full_disk(tmp_path: Path, router_url: str, tiny_model_path: Path) -> None:
     """A gateway process whose SQLite file lives on a 4 MiB tmpfs that fills up."""
     with small_tmpfs(tmp_path / "disk", "4m") as mnt:
         gw = start_gateway(router_url, tiny_model_path, mnt / "traj.db", tmp_path / "gateway.log")
