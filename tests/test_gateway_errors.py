@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -140,7 +139,7 @@ def test_kill_9_after_response_keeps_the_trajectory(router_url: str, tiny_model_
     db = tmp_path / "traj.db"
     gw = start_gateway(router_url, tiny_model_path, db, tmp_path / "a.log")
     try:
-        r = openai_client(gw).chat.completions.create(model=MODEL, messages=USER, max_tokens=5,
+        r = openai_client(gw).chat.completions.create(model=MODEL, messages=USER, max_tokens=5, logprobs=True,
                                                       extra_headers={"X-Session-Id": "durable"})
         os.kill(gw.proc.pid, signal.SIGKILL)  # no shutdown hooks, no flush
         gw.proc.wait(10)
@@ -153,4 +152,6 @@ def test_kill_9_after_response_keeps_the_trajectory(router_url: str, tiny_model_
         assert traj[0]["turns"][0]["response_id"] == r.id
     finally:
         stop_gateway(gw2)
-    assert json.loads(json.dumps(traj))  # plain JSON all the way
+    # what survived the kill is exactly what the client was told: the same log-prob for every generated token
+    kept = [lp for lp, m in zip(traj[0]["rollout_logprobs"], traj[0]["loss_mask"], strict=True) if m]
+    assert kept == [c.logprob for c in r.choices[0].logprobs.content]

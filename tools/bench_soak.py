@@ -61,7 +61,8 @@ class SoakResult(BaseModel):
     turn_p99_ms: float
     turn_p99_first_half_ms: float
     turn_p99_second_half_ms: float
-    pushes: int
+    pushes: int  # pushes that completed (every engine on the new version)
+    push_errors: list[str]  # pushes that failed, in order (the soak goes on pushing)
     memory: list[MemorySeries]
     rewards_acknowledged: int
     rewards_in_store: int
@@ -137,13 +138,20 @@ def run_soak(model: str = "tiny", engines: int = 2, agents: int = 8, duration_s:
         threads = [threading.Thread(target=agent_loop, args=(f"{stack.base_url}/v1", stop, results[i], max_tokens),
                                     daemon=True) for i in range(agents)]
         pushes = 0
+        push_errors: list[str] = []
 
         def pusher_loop() -> None:
             nonlocal pushes
             with WeightPusher(stack.engine_urls, rolling=True, sender=True) as pusher:
+                attempt = 0
                 while not stop.wait(push_every_s):
-                    pushes += 1
-                    pusher.push(iter(variants[pushes % 2].items()), version=f"soak-{pushes}")
+                    attempt += 1
+                    try:  # counted once it completed; a failure is recorded, never swallowed
+                        pusher.push(iter(variants[attempt % 2].items()), version=f"soak-{attempt}")
+                    except Exception as e:  # noqa: BLE001 - any push failure is a soak finding
+                        push_errors.append(f"push {attempt}: {type(e).__name__}: {e}"[:300])
+                    else:
+                        pushes += 1
 
         mem: dict[str, list[tuple[float, float]]] = {name: [] for name in pids}
         t_start = time.perf_counter()
@@ -179,7 +187,7 @@ def run_soak(model: str = "tiny", engines: int = 2, agents: int = 8, duration_s:
         turns=len(turn_ms), errors=len(errors), error_samples=sorted({e.error or "" for e in errors})[:5],
         episodes_per_s=round(len(ok) / elapsed, 2), turn_p50_ms=round(percentile(turn_ms, 50), 1),
         turn_p99_ms=round(percentile(turn_ms, 99), 1), turn_p99_first_half_ms=round(percentile(first, 99), 1),
-        turn_p99_second_half_ms=round(percentile(second, 99), 1), pushes=pushes,
+        turn_p99_second_half_ms=round(percentile(second, 99), 1), pushes=pushes, push_errors=push_errors,
         memory=[series(name, s) for name, s in mem.items()], rewards_acknowledged=len(acknowledged),
         rewards_in_store=in_store)
 
