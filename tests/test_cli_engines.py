@@ -70,7 +70,9 @@ def test_engines_command_serves_then_exits_clean(how: str, tiny_model_path: Path
 
         tree = proc_tree(proc.pid)
         cmdlines = " ".join(Path(f"/proc/{p}/cmdline").read_text() for p in tree if pid_alive(p))
-        assert ("sglang::router" in cmdlines or "sglang_router" in cmdlines) and cmdlines.count("slime_server.rollout.engine_server") == 2
+        # the router: our launcher's command line until the Rust router renames its process "sglang::router"
+        assert any(n in cmdlines for n in ("sglang::router", "slime_server.rollout.router_launch"))
+        assert cmdlines.count("slime_server.rollout.engine_server") == 2
         assert "raylet" in cmdlines
 
         if how == "sigterm":

@@ -165,3 +165,22 @@ def test_sampling_seed_survives_the_router(router: RouterProcess) -> None:
     first = sample(11)
     assert all(sample(11) == first for _ in range(3))  # round robin: both engines served the same seed
     assert sample(12) != first
+
+
+def test_a_port_taken_before_the_router_binds_it_is_chosen_again(tmp_path: Path) -> None:
+    """The free port we picked for the router's Prometheus exporter is taken before it starts (as Ray's workers
+    or another router may): the router exits at once ("Address already in use"), so start() picks again."""
+    import socket
+
+    r = RouterProcess(RouterSettings(), log_path=tmp_path / "router.log")
+    taken = r.prometheus_port
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind((r.settings.host, taken))
+        squatter.listen()
+        try:
+            r.start()
+            assert r.prometheus_port != taken and httpx.get(f"{r.url}/health", timeout=5).status_code == 200
+            assert "Address already in use" in (tmp_path / "router.log").read_text()  # the first try failed so
+        finally:
+            r.stop()

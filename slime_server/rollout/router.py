@@ -115,6 +115,9 @@ def build_router_cmd(settings: RouterSettings, port: int, prometheus_port: int,
     return cmd + cli_flags(settings.extra_args)
 
 
+START_ATTEMPTS = 3
+
+
 class RouterProcess:
     """Starts, queries and stops one sgl-router; the process lives in its own process group."""
 
@@ -139,18 +142,31 @@ class RouterProcess:
         return self._proc.pid if self._proc else None
 
     def start(self, worker_urls: list[str] | tuple[str, ...] = ()) -> RouterProcess:
-        """Spawn the router and wait until its own ``/health`` answers."""
+        """Spawn the router and wait until its own ``/health`` answers.
+
+        A port we chose free can be taken before the router binds it (Ray, engines and other routers start
+        at the same time); the router then exits at once ("Address already in use"). So an early exit is
+        retried on freshly chosen ports (a port the settings fixed stays), twice at most."""
         if self._proc is not None and self._proc.poll() is None:
             raise RouterError("router already running")
-        cmd = build_router_cmd(self.settings, self.port, self.prometheus_port, worker_urls)
         env = {"RUST_LOG_STYLE": "never", "NO_COLOR": "1", **({KEY_ENV: self.api_key} if self.api_key else {})}
-        self._proc = spawn_owned(cmd, env=env, log_path=self.log_path)
-        try:
-            wait_http_ok(f"{self.url}/health", timeout=self.settings.startup_timeout_s, proc=self._proc)
-        except (TimeoutError, RuntimeError):
-            self.stop()
-            raise
-        return self
+        for attempt in range(START_ATTEMPTS):
+            cmd = build_router_cmd(self.settings, self.port, self.prometheus_port, worker_urls)
+            self._proc = spawn_owned(cmd, env=env, log_path=self.log_path)
+            try:
+                wait_http_ok(f"{self.url}/health", timeout=self.settings.startup_timeout_s, proc=self._proc)
+                return self
+            except RuntimeError:  # exited before it was ready
+                self.stop()
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+                self.prometheus_port = find_free_port(self.settings.host)
+                if not self.settings.port:
+                    self.port = find_free_port(self.settings.host)
+            except TimeoutError:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
