@@ -204,16 +204,24 @@ def test_pause_resume_cancel_and_pacing(server: Any) -> None:
     # pacing: a paused job with a tiny buffer limit answers 429 to training traffic, not to serve-only
     waiting = server.gateway.server.config.app.state.gw.store.stats().unconsumed_finished_rewarded
     j = create_job(server, pacing={"max_buffered": waiting + 2}, batch_size=64)
+    body = {"model": Path(server.deployment.model_path).name, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}
+    with rest(server) as c:  # an episode under way before the buffer fills: its later turns are never paced
+        mid = {"X-Session-Id": f"mid-{uuid.uuid4().hex[:8]}"}
+        assert c.post("/chat/completions", json=body, headers=mid).status_code == 200
     drive(server, 2, concurrency=1)
     time.sleep(0.6)  # the buffered count is cached for 0.5 s
     with rest(server) as c:
-        body = {"model": Path(server.deployment.model_path).name, "max_tokens": 2,
-                "messages": [{"role": "user", "content": "hi"}]}
         r = c.post("/chat/completions", json=body)
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "buffer_full"
+        r = c.post("/chat/completions", json=body, headers={"X-Session-Id": f"new-{uuid.uuid4().hex[:8]}"})
+        assert r.status_code == 429  # a new episode waits
         r = c.post("/chat/completions", json={**body, "metadata": {"serve_only": "true"}})
         assert r.status_code == 200, r.text
+        r = c.post("/chat/completions", headers=mid, json={**body, "messages": [
+            *body["messages"], {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]})
+        assert r.status_code == 200, r.text  # the started episode finishes: its group can complete
     cancel(server, j["id"])
 
 

@@ -57,24 +57,31 @@ class Gateway:
         """Buffer pacing (``api/pacing.py``): 429 + Retry-After while a job's buffer is full.
 
         Serve-only traffic is never paced: a request with ``metadata.serve_only = "true"`` or a
-        session opened with ``{"metadata": {"serve_only": true}}``.
+        session opened with ``{"metadata": {"serve_only": true}}``; nor is a later turn of a session that
+        already has one (an episode under way finishes).
         """
         if self.jobs is None or str((metadata or {}).get("serve_only", "")).lower() in ("true", "1", "yes"):
             return
         from starlette.concurrency import run_in_threadpool
 
         retry = await run_in_threadpool(self.pacer.retry_after)
-        if retry is None or (session_id is not None and await run_in_threadpool(self._serve_only, session_id)):
+        if retry is None or (session_id is not None and await run_in_threadpool(self._exempt, session_id)):
             return
         raise APIError(429, "the trajectory buffer is full: the trainer is behind; retry later",
                        code="buffer_full", headers={"Retry-After": str(max(1, round(retry)))})
 
-    def _serve_only(self, session_id: str) -> bool:
+    def _exempt(self, session_id: str) -> bool:
+        """Serve-only sessions, and episodes already under way: pacing bounds new episodes only. Refusing the
+        next turn of a started one would leave its group incomplete forever, and the trainer, which waits for
+        complete groups, would never drain the buffer that refuses it (seen in CI: 70 buffered, 18 sessions
+        mid-episode answered 429 for good)."""
         try:
             session = self.store.get_session(session_id)
         except LookupError:
             return False
-        return bool(session.metadata.get("serve_only"))
+        if session is None:
+            return False
+        return bool(session.metadata.get("serve_only")) or bool(self.store.get_trajectories(session_id))
 
 
     async def generate(self, session_id: str, rid: str, input_ids: list[int], params: dict[str, Any],
