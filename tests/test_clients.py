@@ -138,3 +138,69 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(gateway: GatewayProc, tool_mo
     spans = _check_token_exact(trajs[0], tool_model, 2)
     assert '"get_weather"' in spans[0]
     assert final.strip() and final in spans[1]  # a real answer, and the one stored
+
+
+def test_openai_agents_sdk_with_the_responses_model(gateway: GatewayProc, tool_model: Path) -> None:
+    """The Agents SDK's default model speaks the Responses API (issue 21). The agent stops on its tool's
+    output: after the tool result the tiny model rambles to the token limit, which the Responses API
+    reports as ``incomplete`` and this SDK (rightly) raises on; the round trip of a tool result through
+    Responses is tested with the plain SDK in test_responses_api.py."""
+    from agents import Agent, FunctionTool, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    sid = _session(gateway)
+    calls: list[str] = []
+
+    async def invoke(ctx: object, args_json: str) -> str:
+        calls.append(json.loads(args_json)["city"])
+        return TOOL_RESULT
+
+    fn = WEATHER_TOOL["function"]
+    weather = FunctionTool(name=fn["name"], description=fn["description"], params_json_schema=fn["parameters"],
+                           on_invoke_tool=invoke, strict_json_schema=False)
+
+    async def run() -> str:
+        client = AsyncOpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0,
+                             default_headers={"X-Session-Id": sid})
+        agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[weather],
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=48), tool_use_behavior="stop_on_first_tool")
+        try:
+            result = await Runner.run(agent, TOOL_USER, max_turns=3)
+        finally:
+            await client.close()
+        return str(result.final_output)
+
+    final = asyncio.run(run())
+    assert calls == ["Paris"] and final == TOOL_RESULT  # the SDK parsed our function_call item and ran the tool
+    trajs = _trajectories(gateway, sid)
+    assert len(trajs) == 1
+    (span,) = _check_token_exact(trajs[0], tool_model, 1)
+    assert json.loads(span.split("<tool_call>")[1].split("</tool_call>")[0]) == {
+        "name": "get_weather", "arguments": {"city": "Paris"}}
+
+
+def test_langchain_chat_anthropic_with_bound_tools(gateway: GatewayProc, tool_model: Path) -> None:
+    """LangChain's ChatAnthropic (the Anthropic SDK underneath) against /v1/messages (issue 21)."""
+    from langchain_anthropic import ChatAnthropic
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    sid = _session(gateway)
+    llm = ChatAnthropic(model=MODEL, base_url=gateway.url, api_key="EMPTY", max_tokens=48, max_retries=0,
+                        default_headers={"X-Session-Id": sid}, model_kwargs={"extra_body": {"temperature": 0}})
+    agent_llm = llm.bind_tools([WEATHER_TOOL])
+    messages: list = [HumanMessage(TOOL_USER)]
+    first = agent_llm.invoke(messages)
+    assert [c["name"] for c in first.tool_calls] == ["get_weather"]
+    assert first.tool_calls[0]["args"] == {"city": "Paris"}
+    messages += [first, ToolMessage(get_weather(**first.tool_calls[0]["args"]), tool_call_id=first.tool_calls[0]["id"])]
+    final = agent_llm.invoke(messages)
+    trajs = _trajectories(gateway, sid)
+    assert len(trajs) == 1  # call, tool result and answer merged into one trajectory
+    spans = _check_token_exact(trajs[0], tool_model, 2)
+    assert json.loads(spans[0].split("<tool_call>")[1].split("</tool_call>")[0]) == {
+        "name": "get_weather", "arguments": {"city": "Paris"}}
+    text = final.content if isinstance(final.content, str) else "".join(
+        b.get("text", "") for b in final.content if isinstance(b, dict))
+    assert text.strip() and text in spans[1]

@@ -61,17 +61,24 @@ def live_url(router_url: str, tiny_model_path: Path,
 def cap_generation(case: Any) -> None:
     """Make generation reach the engine and stay cheap; a capped value is as valid as the original."""
     body = case.body
-    if case.path not in ("/v1/chat/completions", "/v1/completions") or not isinstance(body, dict):
+    if case.path not in GENERATING or not isinstance(body, dict):
         return
     if isinstance(body.get("model"), str):
         body["model"] = MODEL  # else nearly every call is a 404 model_not_found (tested in test_gateway_errors)
-    for key in ("max_tokens", "max_completion_tokens"):
+    keys = GENERATING[case.path]
+    for key in keys:
         if _int(body.get(key)) and body[key] > MAX_TOKENS:
             body[key] = MAX_TOKENS
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_tokens"] = MAX_TOKENS  # the default is "what the context leaves"
+    if keys and not any(k in body for k in keys) and case.path != "/v1/messages":  # there it is required
+        body[keys[0]] = MAX_TOKENS  # the default is "what the context leaves"
     if _int(body.get("n")) and MAX_N < body["n"] <= MAX_N_SPEC:  # above the spec's limit it must stay a 400
         body["n"] = MAX_N
+
+
+# generating routes -> their output-token limits (capped); count_tokens only gets the served model's name
+GENERATING = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens"), "/v1/completions": ("max_tokens",),
+              "/v1/responses": ("max_output_tokens",), "/v1/messages": ("max_tokens",),
+              "/v1/messages/count_tokens": ()}
 
 
 def _int(v: Any) -> bool:
@@ -79,13 +86,18 @@ def _int(v: Any) -> bool:
 
 
 def openai_error_format(ctx: Any, response: Any, case: Any) -> bool | None:
-    """Every 4xx answer is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI SDKs read it)."""
+    """Every 4xx answer is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI SDKs read it), or under
+    /v1/messages Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (Anthropic SDKs read that)."""
     if not 400 <= response.status_code < 500:
         return None
     try:
         body = json.loads(response.content)
     except ValueError as e:
         raise AssertionError(f"{response.status_code} body is not JSON: {response.content[:200]!r}") from e
+    if case.path.startswith("/v1/messages"):
+        assert isinstance(body, dict) and body.get("type") == "error", f"not an Anthropic error body: {body}"
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+        return True
     err = body.get("error") if isinstance(body, dict) else None
     assert isinstance(err, dict) and set(err) == ERROR_FIELDS, f"not an OpenAI error body: {body}"
     assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), body
@@ -159,7 +171,10 @@ def known_ids(live_url: str) -> dict[str, str]:
         assert http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0}).status_code == 200
         jobs = http.get("/jobs").json()["data"]  # the fuzz above made some (each failed at once: no trainer)
         job = jobs[0]["id"] if jobs else http.post("/jobs", json={"name": "fuzz"}).json()["id"]
-        ids = {"session_id": session, "response_id": r.json()["id"], "job_id": job, "model_id": MODEL}
+        stored = http.post("/v1/responses", headers={"X-Session-Id": session},
+                           json={"model": MODEL, "input": "hi", "max_output_tokens": MAX_TOKENS})
+        assert stored.status_code == 200, stored.text
+        ids = {"session_id": session, "response_id": stored.json()["id"], "job_id": job, "model_id": MODEL}
         key = http.post("/admin/keys", json={"role": "agent", "name": "fuzz"})
         if key.status_code == 200:
             ids["key_id"] = key.json()["id"]
@@ -182,4 +197,5 @@ def test_the_fuzzer_really_generated() -> None:
         pytest.skip("checks what the fuzz tests of this module sent; run it with them")
     ok = {path for (_, path, status) in STATUSES if status == 200}
     assert {"/v1/chat/completions", "/v1/completions", "/v1/sessions/{session_id}", "/jobs/{job_id}/events",
-            "/v1/responses/{response_id}/feedback", "/v1/sessions/{session_id}/reward"} <= ok, STATUSES
+            "/v1/responses/{response_id}/feedback", "/v1/sessions/{session_id}/reward", "/v1/responses",
+            "/v1/responses/{response_id}", "/v1/messages", "/v1/messages/count_tokens"} <= ok, STATUSES

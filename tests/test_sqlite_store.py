@@ -232,3 +232,21 @@ def test_committed_turn_survives_kill_9(tmp_path: Path) -> None:
         assert store.find_by_response_id("chatcmpl-d")[0][0].id == traj.id
     finally:
         store.close()
+
+
+def test_stored_responses_round_trip_and_replace(store: SQLiteTrajectoryStore) -> None:
+    from slime_server.buffer.schema import StoredResponse
+
+    body = {"input": [{"role": "user", "content": "héllo"}], "output": {"role": "assistant", "content": "hi"}}
+    store.put_stored_response(StoredResponse(id="resp_1", session_id="s", owner="key:1", body=body))
+    store.put_stored_response(StoredResponse(id="resp_2", session_id="s", previous_response_id="resp_1", body={}))
+    got = store.get_stored_response("resp_1")
+    assert (got.session_id, got.owner, got.previous_response_id, got.body) == ("s", "key:1", None, body)
+    assert store.get_stored_response("resp_2").previous_response_id == "resp_1"
+    store.put_stored_response(StoredResponse(id="resp_2", session_id="s", body={"x": 1}))  # same id: replaced
+    assert store.get_stored_response("resp_2").body == {"x": 1}
+    with pytest.raises(ResponseNotFound):
+        store.get_stored_response("resp_missing")
+    again = type(store)(getattr(store, "url", None) or store.path)  # durable: another connection reads it
+    assert again.get_stored_response("resp_1").body == body
+    again.close()

@@ -13,7 +13,15 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 
-from slime_server.api import dashboard, routes_admin, routes_jobs, routes_openai, routes_sessions
+from slime_server.api import (
+    dashboard,
+    routes_admin,
+    routes_anthropic,
+    routes_jobs,
+    routes_openai,
+    routes_responses,
+    routes_sessions,
+)
 from slime_server.api.access_log import AccessLogMiddleware
 from slime_server.api.engine_client import EngineClient
 from slime_server.api.errors import BodySizeLimitMiddleware, install_error_handlers
@@ -53,6 +61,8 @@ def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.include_router(routes_openai.router)
+    app.include_router(routes_responses.router)
+    app.include_router(routes_anthropic.router)
     app.include_router(routes_sessions.router)
     app.include_router(routes_jobs.router)
     app.include_router(routes_admin.router)

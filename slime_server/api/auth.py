@@ -113,9 +113,10 @@ def parse_session_key(token: str) -> tuple[str, str] | None:
 
 
 def bearer_token(request: Request) -> str | None:
+    """``Authorization: Bearer <key>`` (OpenAI clients), else ``x-api-key: <key>`` (Anthropic clients)."""
     header = request.headers.get("authorization")
     if not header:
-        return None
+        return request.headers.get("x-api-key", "").strip() or None
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
@@ -154,5 +155,5 @@ def authenticate(token: str | None, *, api_key: str | None, admin_api_key: str |
             raise APIError(401, "invalid session API key", code="invalid_api_key")
     if api_key is None:  # /v1 is open: the operator has not asked for keys
         return Principal() if admin_api_key is None else Principal(role="agent", owner="anonymous")
-    raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+    raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                    code="invalid_api_key")

@@ -63,8 +63,23 @@ def not_found(message: str, *, code: str = "not_found", param: str | None = None
     return APIError(404, message, code=code, param=param)
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); the Messages routes
+# answer ``{"type": "error", "error": {"type", "message"}}`` so Anthropic SDKs raise their own classes.
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                   413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(err: APIError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPE.get(err.status, "api_error"), "message": err.message}}
+
+
+def error_response(err: APIError, path: str | None = None) -> JSONResponse:
+    """The error in the format of the API ``path`` belongs to (Anthropic's under /v1/messages, else OpenAI's)."""
+    anthropic = path is not None and (path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"))
+    body = anthropic_error_body(err) if anthropic else err.body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
@@ -87,7 +102,7 @@ async def _validation_handler(request: Request, exc: RequestValidationError) -> 
     message = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
-    return error_response(APIError(400, message, param=param, code="invalid_request"))
+    return error_response(APIError(400, message, param=param, code="invalid_request"), request.url.path)
 
 
 async def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -96,13 +111,13 @@ async def _http_handler(request: Request, exc: StarletteHTTPException) -> JSONRe
     elif exc.status_code == 405:
         err = APIError(405, f"method {request.method} not allowed on {request.url.path}",
                        code="method_not_allowed", headers={"Allow": _allowed_methods(request)})
-        return error_response(err)
+        return error_response(err, request.url.path)
     elif exc.status_code == 413:
         err = APIError(413, "request body too large", code="request_too_large")
     else:
         err = APIError(exc.status_code, str(exc.detail))
     err.headers = dict(exc.headers) if exc.headers else None
-    return error_response(err)
+    return error_response(err, request.url.path)
 
 
 def _allowed_methods(request: Request) -> str:
@@ -117,7 +132,7 @@ def _allowed_methods(request: Request) -> str:
 
 
 async def _api_error_handler(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _store_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -125,12 +140,13 @@ async def _store_error_handler(request: Request, exc: Exception) -> JSONResponse
     status = getattr(exc, "status_code", 500)
     if not isinstance(status, int) or not 400 <= status < 600:
         return await _unexpected_handler(request, exc)
-    return error_response(APIError(status, str(exc), code=getattr(exc, "code", None)))
+    return error_response(APIError(status, str(exc), code=getattr(exc, "code", None)), request.url.path)
 
 
 async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(APIError(500, "internal server error", type="server_error", code="internal_error"))
+    return error_response(APIError(500, "internal server error", type="server_error", code="internal_error"),
+                          request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -194,7 +210,7 @@ class BodySizeLimitMiddleware:
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         err = APIError(413, f"request body larger than {self.max_bytes} bytes", code="request_too_large")
-        await error_response(err)(scope, receive, send)
+        await error_response(err, scope.get("path"))(scope, receive, send)
 
 
 class _TooLarge(StarletteHTTPException):

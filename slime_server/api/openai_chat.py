@@ -1,11 +1,4 @@
-"""``/v1/chat/completions``: OpenAI request -> prompt ids -> SGLang ``/generate`` -> recorded answer.
-
-Tool choice ``required`` / named (documented behaviour): the gateway *prefills* the start of a
-call, ``<tool_call>\\n{"name": "`` (plus ``NAME", "arguments":`` for a named choice), after the
-rendered prompt. The prefilled tokens are sent and recorded as PROMPT tokens (loss mask 0): the
-model did not generate them. The parser sees prefill + generated text, so the answer carries a
-normal ``tool_calls`` entry; ``usage.prompt_tokens`` includes the prefill.
-"""
+"""``/v1/chat/completions``: the OpenAI chat request -> one turn (api/turn.py) -> the chat answer or its SSE."""
 
 from __future__ import annotations
 
@@ -13,12 +6,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jsonschema
-
-from slime_server.api import recording
 from slime_server.api.auth import Principal
-from slime_server.api.engine_client import EngineError
-from slime_server.api.errors import APIError, bad_request
+from slime_server.api.errors import APIError
 from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import (
     ChatChoice,
@@ -28,329 +17,27 @@ from slime_server.api.protocol import (
     ChoiceLogprobs,
     ChunkChoice,
     DeltaMessage,
-    FunctionCall,
-    NamedToolChoice,
-    ResponseMessage,
-    TokenLogprob,
-    ToolCall,
-    TopLogprob,
     Usage,
-    new_id,
 )
-from slime_server.api.sessions_resolve import resolve_session
-from slime_server.api.token_text import final_text, streamable, token_string
-from slime_server.rollout.protocol import GenerateOutput
-
-TOOL_PREFILL = '<tool_call>\n{"name": "'
-MIN_TOP_P = 1e-6  # smaller top_p values are sent as this (see sampling_params)
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def check_model(gw: Gateway, model: str) -> None:
-    if model != gw.model_name:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{gw.model_name}'",
-                       code="model_not_found", param="model")
-
-
-def validate_chat(gw: Gateway, req: ChatCompletionRequest) -> None:
-    """Everything pydantic cannot check alone; each failure is a 400 naming the parameter."""
-    check_model(gw, req.model)
-    if req.n > gw.settings.max_n:
-        raise bad_request(f"n must be <= {gw.settings.max_n}", param="n")
-    for i, tool in enumerate(req.tools or []):
-        params = tool.function.parameters
-        if params is None:
-            continue
-        try:
-            jsonschema.validators.validator_for(params).check_schema(params)
-        except jsonschema.SchemaError as e:
-            raise bad_request(f"tools[{i}].function.parameters is not a valid JSON Schema: {e.message}",
-                              param=f"tools[{i}].function.parameters") from e
-    names = [t.function.name for t in req.tools or []]
-    if len(set(names)) != len(names):
-        raise bad_request("tool names must be unique", param="tools")
-    choice = req.tool_choice
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise bad_request(f"tool_choice names '{choice.function.name}', which is not in tools", param="tool_choice")
-    if choice == "required" and not names:
-        raise bad_request("tool_choice 'required' needs at least one tool", param="tool_choice")
-    check_penalties(gw, req.frequency_penalty, req.presence_penalty)
-    if req.top_logprobs and not req.logprobs:
-        raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-
-
-def check_penalties(gw: Gateway, frequency: float | None, presence: float | None) -> None:
-    if gw.settings.engine_supports_penalties:
-        return
-    for name, value in (("frequency_penalty", frequency), ("presence_penalty", presence)):
-        if value:
-            raise bad_request(f"{name} is not supported by the inference engine of this server",
-                              param=name, code="unsupported_parameter")
-
-
-# ----------------------------------------------------------------------------- sampling
-
-
-def sampling_params(gw: Gateway, *, prompt_len: int, max_tokens: int | None, temperature: float | None,
-                    top_p: float | None, top_k: int | None, min_p: float | None, stop: str | list[str] | None,
-                    seed: int | None, n: int, frequency_penalty: float | None,
-                    presence_penalty: float | None, ignore_eos: bool = False) -> dict[str, Any]:
-    """SGLang ``sampling_params``; refuses prompts that leave no room in the context (400)."""
-    ctx = int(gw.renderer.context_length)
-    room = ctx - prompt_len
-    if room <= 0:
-        raise bad_request(f"the prompt is {prompt_len} tokens; this model's context is {ctx} tokens",
-                          param="messages", code="context_length_exceeded")
-    limit = gw.settings.max_prompt_tokens
-    if limit is not None and prompt_len > limit:
-        raise bad_request(f"the prompt is {prompt_len} tokens; this server accepts at most {limit}",
-                          param="messages", code="prompt_too_long")
-    if max_tokens is not None and max_tokens > room:
-        raise bad_request(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
-                          f"context length ({ctx})", param="max_tokens", code="context_length_exceeded")
-    cap = gw.settings.max_output_tokens
-    if cap is not None and max_tokens is not None and max_tokens > cap:
-        raise bad_request(f"max_tokens ({max_tokens}) is above this server's limit ({cap})",
-                          param="max_tokens", code="max_tokens_too_large")
-    default = room if cap is None else min(room, cap)
-    params: dict[str, Any] = {"max_new_tokens": max_tokens or default, "n": n,
-                              "temperature": 1.0 if temperature is None else temperature}
-    if top_p is not None:  # the router reads floats as f32 (5e-324 -> 0.0, which the engine refuses); any
-        top_p = max(top_p, MIN_TOP_P)  # top_p <= 1/vocab keeps only the top token: this changes no sample
-    if top_k == 0:  # "disabled" in our docs; SGLang accepts only -1 for that
-        top_k = -1
-    for key, value in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p), ("sampling_seed", seed),
-                       ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
-        if value is not None:
-            params[key] = value
-    if stop:
-        params["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    if ignore_eos:
-        params["ignore_eos"] = True
-    return params
-
-
-# ----------------------------------------------------------------------------- answers
-
-
-def build_message(gw: Gateway, text: str, parse_tools: bool) -> ResponseMessage:
-    """Split reasoning, then tool calls, out of the generated text (prefill included)."""
-    reasoning = None
-    if gw.reasoning is not None:
-        split = gw.reasoning.parse(text)
-        reasoning, text = split.reasoning, split.content
-    calls: list[ToolCall] | None = None
-    content: str | None = text
-    if parse_tools:
-        parsed = gw.tool_parser.parse(text)
-        if parsed.calls:
-            content = parsed.content
-            calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                     for c in parsed.calls]
-    return ResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls)
-
-
-def finish_reason(engine_reason: str, message: ResponseMessage) -> str:
-    if message.tool_calls:
-        return "tool_calls"
-    return "length" if engine_reason == "length" else "stop"
-
-
-def token_logprobs(gw: Gateway, out: GenerateOutput, start: int = 0) -> list[TokenLogprob]:
-    """OpenAI ``logprobs.content`` entries for output tokens ``start:``, each with the token's own bytes."""
-    mi = out.meta_info
-    entries = mi.output_token_logprobs or []
-    tops = mi.output_top_logprobs or []
-    token_bytes = gw.renderer.token_bytes
-    result = []
-    for i in range(start, len(entries)):
-        lp, tid, _ = entries[i]
-        data = token_bytes(tid)
-        top = [TopLogprob(token=token_string(token_bytes(t)), logprob=float(p), bytes=list(token_bytes(t)))
-               for p, t, _ in (tops[i] or [])] if i < len(tops) else []
-        result.append(TokenLogprob(token=token_string(data), logprob=float(lp if lp is not None else 0.0),
-                                   bytes=list(data), top_logprobs=top))
-    return result
-
-
-def answer_text(gw: Gateway, out: GenerateOutput) -> str:
-    """The engine's text of a finished choice, less the U+FFFD of a character cut by the end of generation."""
-    reason = out.meta_info.finish_reason
-    by_token = reason is not None and reason.type == "stop" and isinstance(reason.matched, int)
-    return final_text(out.text, out.output_ids, gw.renderer.token_bytes, stopped_by_token=by_token)
-
-
-def outcome(out: GenerateOutput, index: int, message: ResponseMessage) -> recording.ChoiceOutcome:
-    mi = out.meta_info
-    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in (mi.output_token_logprobs or [])]
-    versions = mi.token_versions(len(out.output_ids))
-    return recording.ChoiceOutcome(index=index, output_ids=list(out.output_ids), output_logprobs=logprobs,
-                                   weight_version=versions,
-                                   finish_reason=mi.finish_reason.type if mi.finish_reason else "abort",
-                                   message=message)
-
-
-# ----------------------------------------------------------------------------- request flow
-
-
-def is_side_turn(header: str | None, metadata: dict[str, str] | None) -> bool:
-    """``X-Turn-Type: side`` (or ``metadata.turn_type``): a tool-internal or background call."""
-    value = (header or (metadata or {}).get("turn_type") or "main").strip().lower()
-    if value not in ("main", "side"):
-        raise bad_request(f"turn type must be 'main' or 'side', got {value!r}", param="X-Turn-Type")
-    return value == "side"
-
-
-class ChatTurn:
-    """One chat request from validation to recorded result (shared by plain and streamed answers).
-
-    A *side* turn (tool-internal or background call inside an agent's session) is served and
-    recorded, but in a one-turn session of its own: it never merges into the session's trajectory,
-    is never judged, and is not trained on unless someone rewards that one-turn session.
-    """
-
-    def __init__(self, gw: Gateway, req: ChatCompletionRequest, *, side: bool = False) -> None:
-        self.gw = gw
-        self.req = req
-        self.side = side
-        self.response_id = new_id("chatcmpl")
-        choice = req.tool_choice
-        self.prefill = ""
-        if choice == "required":
-            self.prefill = TOOL_PREFILL
-        elif isinstance(choice, NamedToolChoice):
-            # cut after '":' (a pre-token boundary): a trailing space would tokenize unlike ' {"'
-            self.prefill = TOOL_PREFILL + choice.function.name + '", "arguments":'
-        self.parse_tools = bool(req.tools) and choice != "none"
-        self.prepared: Any = None
-
-    async def prepare(self, principal: Principal, header_session_id: str | None) -> dict[str, Any]:
-        """Resolve the session, get prompt ids, build the engine request."""
-        req, gw = self.req, self.gw
-        session_id = resolve_session(principal, header_session_id, req.metadata)  # checks the key's rights
-        if self.side:
-            session_id = None
-        await gw.admit(session_id, req.metadata)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prefill_ids = gw.renderer.encode(self.prefill) if self.prefill else []
-        self.prepared = await recording.prepare_turn(gw.sessions, session_id, messages, tools, req.n, prefill_ids,
-                                                     owner=principal.session_owner)
-        if gw.feedback is not None and not self.side:
-            gw.feedback.on_turn_prepared(self.prepared, tools)
-        prompt_ids = list(self.prepared.prompt_ids)
-        params = sampling_params(
-            gw, prompt_len=len(prompt_ids), max_tokens=req.max_completion_tokens or req.max_tokens,
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, stop=req.stop,
-            seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
-            presence_penalty=req.presence_penalty, ignore_eos=req.ignore_eos)
-        return {"input_ids": prompt_ids, "sampling_params": params,
-                "top_logprobs_num": (req.top_logprobs or 0) if req.logprobs else 0}
-
-    def usage(self, outs: list[GenerateOutput]) -> Usage:
-        prompt = len(self.prepared.prompt_ids)
-        completion = sum(len(o.output_ids) for o in outs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-    async def record(self, outs: list[GenerateOutput], messages: list[ResponseMessage]) -> Usage:
-        usage = self.usage(outs)
-        outcomes = [outcome(o, i, m) for i, (o, m) in enumerate(zip(outs, messages, strict=True))]
-        await recording.commit_turn(self.gw.sessions, self.prepared, outcomes, self.response_id, usage)
-        return usage
+from slime_server.api.turn import ChatTurn, token_logprobs
+from slime_server.api.turn_stream import StreamDelta, turn_events
 
 
 async def chat_completion(gw: Gateway, req: ChatCompletionRequest, principal: Principal,
                           header_session_id: str | None, *, side: bool = False) -> ChatCompletionResponse:
     turn = ChatTurn(gw, req, side=side)
     call = await turn.prepare(principal, header_session_id)
-    outs = await gw.generate(turn.prepared.session_id, turn.response_id, call["input_ids"], call["sampling_params"],
-                             return_logprob=True, top_logprobs_num=call["top_logprobs_num"])
-    messages = [build_message(gw, turn.prefill + answer_text(gw, o), turn.parse_tools) for o in outs]
-    usage = await turn.record(outs, messages)  # durable before we answer
+    result = await turn.run(call)  # durable before we answer
     choices = []
-    for i, (o, m) in enumerate(zip(outs, messages, strict=True)):
+    for i, (o, m, reason) in enumerate(zip(result.outs, result.messages, result.finish_reasons(), strict=True)):
         lp = ChoiceLogprobs(content=token_logprobs(gw, o)) if req.logprobs else None
-        reason = o.meta_info.finish_reason.type if o.meta_info.finish_reason else "stop"
-        choices.append(ChatChoice(index=i, message=m, logprobs=lp, finish_reason=finish_reason(reason, m)))
-    return ChatCompletionResponse(id=turn.response_id, model=gw.model_name, choices=choices, usage=usage)
+        choices.append(ChatChoice(index=i, message=m, logprobs=lp, finish_reason=reason))
+    return ChatCompletionResponse(id=turn.response_id, model=gw.model_name, choices=choices, usage=result.usage)
 
 
 def _sse(obj: Any) -> str:
     data = obj.model_dump_json(exclude_none=True) if hasattr(obj, "model_dump_json") else json.dumps(obj)
     return f"data: {data}\n\n"
-
-
-class _ChoiceStream:
-    """Per-choice streaming state: cumulative engine output -> reasoning/content/tool-call deltas."""
-
-    def __init__(self, gw: Gateway, turn: ChatTurn) -> None:
-        self.gw = gw
-        self.text = ""
-        self.n_logprobs = 0
-        self.last: GenerateOutput | None = None
-        self.reasoning = gw.reasoning.streaming() if gw.reasoning else None
-        self.tools = gw.tool_parser.streaming() if turn.parse_tools else None
-        self.pending = turn.prefill  # prefill text is fed to the parsers before the first delta
-        stop = turn.req.stop
-        self.stops = [stop] if isinstance(stop, str) else list(stop or [])
-        self.any_call = False
-
-    def step(self, out: GenerateOutput, with_logprobs: bool) -> tuple[DeltaMessage, ChoiceLogprobs | None]:
-        self.last = out
-        if out.meta_info.finish_reason is None:
-            # Hold back a trailing partial character (U+FFFD until its next token arrives) and, since the
-            # engine trims a matched stop string only from the final text, any tail that could still
-            # become one: streamed text always equals the non-streamed text.
-            text = streamable(out.text)
-            text = text[: len(text) - _stop_prefix_len(text, self.stops)]
-        else:
-            text = answer_text(self.gw, out)
-        delta_text = self.pending + text[len(self.text):]
-        self.pending = ""
-        self.text = max(self.text, text, key=len)
-        lp = None
-        if with_logprobs:
-            entries = token_logprobs(self.gw, out, self.n_logprobs)
-            self.n_logprobs += len(entries)
-            lp = ChoiceLogprobs(content=entries)
-        return self._parse(delta_text, final=False), lp
-
-    def finish(self) -> DeltaMessage:
-        return self._parse("", final=True)
-
-    def _parse(self, text: str, final: bool) -> DeltaMessage:
-        reasoning = ""
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.feed(text)
-            if final:
-                r2, t2 = self.reasoning.finish()
-                reasoning, text = reasoning + r2, text + t2
-        delta = DeltaMessage(reasoning_content=reasoning or None)
-        if self.tools is not None:
-            d = self.tools.feed(text)
-            content, calls = d.content, list(d.tool_calls)
-            if final:
-                d2 = self.tools.finish()
-                content, calls = content + d2.content, calls + d2.tool_calls
-            delta.content = content or None
-            delta.tool_calls = calls or None
-            self.any_call = self.any_call or bool(calls)
-        else:
-            delta.content = text or None
-        return delta
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a prefix of some stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop), len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
 
 
 async def chat_stream(gw: Gateway, req: ChatCompletionRequest, principal: Principal,
@@ -364,35 +51,20 @@ async def chat_stream(gw: Gateway, req: ChatCompletionRequest, principal: Princi
 async def stream_events(gw: Gateway, turn: ChatTurn, call: dict[str, Any]) -> AsyncIterator[str]:
     """SSE body: role chunk, deltas, (record), finish chunks, optional usage chunk, ``[DONE]``."""
     req = turn.req
-    states = [_ChoiceStream(gw, turn) for _ in range(req.n)]
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
         return _sse(ChatCompletionChunk(id=turn.response_id, model=gw.model_name, choices=choices, usage=usage))
 
     yield chunk([ChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(req.n)])
     try:
-        async for out in gw.engine.generate_stream(call["input_ids"], call["sampling_params"], return_logprob=True,
-                                                   top_logprobs_num=call["top_logprobs_num"]):
-            i = out.index or 0
-            if not 0 <= i < req.n:
+        async for event in turn_events(gw, turn, call, with_logprobs=req.logprobs):
+            if isinstance(event, StreamDelta):
+                yield chunk([ChunkChoice(index=event.index, delta=event.delta, logprobs=event.logprobs)])
                 continue
-            delta, lp = states[i].step(out, req.logprobs)
-            if delta.content or delta.reasoning_content or delta.tool_calls or (lp and lp.content):
-                yield chunk([ChunkChoice(index=i, delta=delta, logprobs=lp)])
-        if any(s.last is None for s in states):
-            raise EngineError(502, "the engine stream ended without a result for every choice",
-                              code="bad_engine_response")
-        finals = [s.finish() for s in states]
-        outs = [s.last for s in states]
-        messages = [build_message(gw, turn.prefill + answer_text(gw, o), turn.parse_tools) for o in outs]
-        usage = await turn.record(outs, messages)  # durable before the final chunk
+            for i, (d, reason) in enumerate(zip(event.finals, event.finish_reasons, strict=True)):
+                yield chunk([ChunkChoice(index=i, delta=d, finish_reason=reason)])
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk([], event.usage)
     except APIError as e:
         yield f"data: {json.dumps(e.body())}\n\n"
-        yield "data: [DONE]\n\n"
-        return
-    for i, (s, d, m) in enumerate(zip(states, finals, messages, strict=True)):
-        reason = s.last.meta_info.finish_reason.type if s.last.meta_info.finish_reason else "stop"
-        yield chunk([ChunkChoice(index=i, delta=d, finish_reason=finish_reason(reason, m))])
-    if req.stream_options and req.stream_options.include_usage:
-        yield chunk([], usage)
     yield "data: [DONE]\n\n"

@@ -9,6 +9,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from slime_server.api import openai_chat, recording
+from slime_server.api import turn as core
 from slime_server.api.auth import Principal
 from slime_server.api.deps import get_gateway, get_principal
 from slime_server.api.errors import bad_request
@@ -48,7 +49,7 @@ async def list_models(gw: GW, _: Caller) -> ModelList:
 
 @router.get("/models/{model_id}", response_model=ModelCard)
 async def get_model(model_id: str, gw: GW, _: Caller) -> ModelCard:
-    openai_chat.check_model(gw, model_id)
+    core.check_model(gw, model_id)
     return ModelCard(id=gw.model_name)
 
 
@@ -56,8 +57,8 @@ async def get_model(model_id: str, gw: GW, _: Caller) -> ModelCard:
              responses={200: {"content": {"text/event-stream": {}}}})
 async def chat_completions(req: ChatCompletionRequest, gw: GW, principal: Caller,
                            x_session_id: SessionHeader = None, x_turn_type: TurnTypeHeader = None):
-    openai_chat.validate_chat(gw, req)
-    side = openai_chat.is_side_turn(x_turn_type, req.metadata)
+    core.validate_chat(gw, req)
+    side = core.is_side_turn(x_turn_type, req.metadata)
     if not req.stream:
         return await openai_chat.chat_completion(gw, req, principal, x_session_id, side=side)
     turn, call = await openai_chat.chat_stream(gw, req, principal, x_session_id, side=side)
@@ -69,12 +70,12 @@ async def chat_completions(req: ChatCompletionRequest, gw: GW, principal: Caller
 async def completions(req: CompletionRequest, gw: GW, principal: Caller,
                       x_session_id: SessionHeader = None) -> CompletionResponse:
     """Raw completion; recorded as a one-turn trajectory (the prompt is context, the output generated)."""
-    openai_chat.check_model(gw, req.model)
+    core.check_model(gw, req.model)
     if req.stream:
         raise bad_request("stream is not supported on /v1/completions; use /v1/chat/completions", param="stream")
     if req.n > gw.settings.max_n:
         raise bad_request(f"n must be <= {gw.settings.max_n}", param="n")
-    openai_chat.check_penalties(gw, req.frequency_penalty, req.presence_penalty)
+    core.check_penalties(gw, req.frequency_penalty, req.presence_penalty)
     if isinstance(req.prompt, str):
         if not req.prompt:
             raise bad_request("prompt must not be empty", param="prompt")
@@ -84,7 +85,7 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
     vocab = len(gw.renderer.tokenizer)
     if any(not 0 <= t < vocab for t in prompt_ids):
         raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
-    params = openai_chat.sampling_params(
+    params = core.sampling_params(
         gw, prompt_len=len(prompt_ids), max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=None, min_p=None, stop=req.stop, seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty)
@@ -97,8 +98,8 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
     completion = sum(len(o.output_ids) for o in outs)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
                   total_tokens=len(prompt_ids) + completion)
-    texts = [openai_chat.answer_text(gw, o) for o in outs]
-    outcomes = [openai_chat.outcome(o, i, ResponseMessage(content=t)) for i, (o, t) in enumerate(zip(outs, texts,
+    texts = [core.answer_text(gw, o) for o in outs]
+    outcomes = [core.outcome(o, i, ResponseMessage(content=t)) for i, (o, t) in enumerate(zip(outs, texts,
                                                                                                     strict=True))]
     await recording.commit_turn(gw.sessions, prepared, outcomes, response_id, usage)
     choices = []
@@ -110,7 +111,7 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
 
 
 def _completion_logprobs(gw: Gateway, out) -> CompletionLogprobs:
-    entries = openai_chat.token_logprobs(gw, out)
+    entries = core.token_logprobs(gw, out)
     offsets, seen = [], b""
     for e in entries:  # characters before each token: whole characters of the bytes before it
         offsets.append(len(seen[: len(seen) - incomplete_utf8_tail(seen)].decode("utf-8", "replace")))

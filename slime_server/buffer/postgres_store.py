@@ -45,6 +45,7 @@ from slime_server.buffer.schema import (
     SessionExistsError,
     SessionNotFound,
     StaleWriteError,
+    StoredResponse,
     StoreError,
     StoreStats,
     Thumb,
@@ -136,6 +137,17 @@ MIGRATIONS: list[str] = [
     # 3: which agent key owns a session (agent keys reach only their own sessions).
     """
     ALTER TABLE sessions ADD COLUMN owner TEXT;
+    """,
+    # 4: stateful API responses (OpenAI Responses ``store``: ``previous_response_id``, ``GET /v1/responses/{id}``).
+    """
+    CREATE TABLE stored_responses (
+        id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        owner TEXT,
+        previous_response_id TEXT,
+        body TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL
+    );
     """,
 ]
 
@@ -454,6 +466,25 @@ class PostgresTrajectoryStore(TrajectoryStore):
             "SELECT id, response_id, session_id, thumb, score, comment, created_at FROM feedback "
             "WHERE response_id = %s ORDER BY created_at, seq", (response_id,)).fetchall())
         return [Feedback.model_validate(r) for r in rows]
+
+    # ---------------------------------------------------------------- stored API responses
+    def put_stored_response(self, response: StoredResponse) -> None:
+        def run(conn: Conn) -> None:
+            conn.execute("INSERT INTO stored_responses (id, session_id, owner, previous_response_id, body, created_at) "
+                         "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET session_id = EXCLUDED.session_id, "
+                         "owner = EXCLUDED.owner, previous_response_id = EXCLUDED.previous_response_id, "
+                         "body = EXCLUDED.body, created_at = EXCLUDED.created_at",
+                         (response.id, response.session_id, response.owner, response.previous_response_id,
+                          json.dumps(response.body, ensure_ascii=False), response.created_at))
+        self._write(run)
+
+    def get_stored_response(self, response_id: str) -> StoredResponse:
+        row = self._read(lambda c: c.execute(
+            "SELECT id, session_id, owner, previous_response_id, body, created_at FROM stored_responses "
+            "WHERE id = %s", (response_id,)).fetchone())
+        if row is None:
+            raise ResponseNotFound(f"response {response_id!r} not found")
+        return StoredResponse.model_validate({**dict(row), "body": json.loads(row["body"])})
 
     # ---------------------------------------------------------------- housekeeping
     def recent_sessions(self, limit: int) -> list[dict[str, Any]]:

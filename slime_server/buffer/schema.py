@@ -205,6 +205,19 @@ class Feedback(BaseModel):
     created_at: float = Field(default_factory=now)
 
 
+class StoredResponse(BaseModel):
+    """A stateful API's stored answer (OpenAI Responses ``store: true``): what ``previous_response_id``
+    continues and ``GET /v1/responses/{id}`` returns. ``body`` is the API's own record (its input
+    messages, output message and the response object); the tokens live in the trajectory."""
+
+    id: str
+    session_id: str
+    owner: str | None = None
+    previous_response_id: str | None = None
+    body: dict[str, Any] = Field(default_factory=dict)
+    created_at: float = Field(default_factory=now)
+
+
 class StoreStats(BaseModel):
     sessions: int = 0
     open_sessions: int = 0

@@ -31,6 +31,7 @@ from slime_server.buffer.schema import (
     SessionExistsError,
     SessionNotFound,
     StaleWriteError,
+    StoredResponse,
     StoreError,
     StoreStats,
     Thumb,
@@ -119,6 +120,17 @@ MIGRATIONS: list[str] = [
     # 3: which agent key owns a session (agent keys reach only their own sessions).
     """
     ALTER TABLE sessions ADD COLUMN owner TEXT;
+    """,
+    # 4: stateful API responses (OpenAI Responses ``store``: ``previous_response_id``, ``GET /v1/responses/{id}``).
+    """
+    CREATE TABLE stored_responses (
+        id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        owner TEXT,
+        previous_response_id TEXT,
+        body TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
     """,
 ]
 
@@ -401,6 +413,21 @@ class SQLiteTrajectoryStore(TrajectoryStore):
         rows = self._read(lambda c: c.execute("SELECT * FROM feedback WHERE response_id = ? ORDER BY created_at",
                                               (response_id,)).fetchall())
         return [Feedback.model_validate(dict(r)) for r in rows]
+
+    # ---------------------------------------------------------------- stored API responses
+    def put_stored_response(self, response: StoredResponse) -> None:
+        with self._write() as conn:
+            conn.execute("INSERT OR REPLACE INTO stored_responses (id, session_id, owner, previous_response_id, body, "
+                         "created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                         (response.id, response.session_id, response.owner, response.previous_response_id,
+                          json.dumps(response.body, ensure_ascii=False), response.created_at))
+
+    def get_stored_response(self, response_id: str) -> StoredResponse:
+        row = self._read(lambda c: c.execute("SELECT * FROM stored_responses WHERE id = ?",
+                                             (response_id,)).fetchone())
+        if row is None:
+            raise ResponseNotFound(f"response {response_id!r} not found")
+        return StoredResponse.model_validate({**dict(row), "body": json.loads(row["body"])})
 
     # ---------------------------------------------------------------- housekeeping
     def stats(self) -> StoreStats:

@@ -14,7 +14,15 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from slime_server.buffer.schema import Feedback, Session, StoreStats, Thumb, Trajectory, TrajectoryStatus
+from slime_server.buffer.schema import (
+    Feedback,
+    Session,
+    StoredResponse,
+    StoreStats,
+    Thumb,
+    Trajectory,
+    TrajectoryStatus,
+)
 
 
 class ResponseRef(BaseModel):
@@ -141,6 +149,15 @@ class TrajectoryStore(ABC):
     @abstractmethod
     def get_feedback(self, response_id: str) -> list[Feedback]:
         """Feedback recorded for a response, oldest first."""
+
+    # ---------------------------------------------------------------- stored API responses
+    @abstractmethod
+    def put_stored_response(self, response: StoredResponse) -> None:
+        """Keep a stateful API's response (insert or replace by id)."""
+
+    @abstractmethod
+    def get_stored_response(self, response_id: str) -> StoredResponse:
+        """A kept response; ``ResponseNotFound`` if unknown."""
 
     # ---------------------------------------------------------------- housekeeping
     @abstractmethod

@@ -1,0 +1,199 @@
+"""Acceptance (issue 21): the real ``anthropic`` SDK against ``/v1/messages`` on the gateway process, in
+front of the real sgl-router and a CPU engine serving the tiny model fine-tuned to call a tool.
+
+Every turn is checked in the store: one trajectory per conversation, loss mask exactly on the
+generated tokens, the second turn's prompt the first turn's tokens plus the tool result.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import pytest
+from _gateway_helpers import (
+    MODEL,
+    TOOL_RESULT,
+    TOOL_USER,
+    WEATHER_TOOL,
+    GatewayProc,
+    cached_tool_model,
+    start_gateway,
+    stop_gateway,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TOOL = {"name": WEATHER_TOOL["function"]["name"], "description": WEATHER_TOOL["function"]["description"],
+        "input_schema": WEATHER_TOOL["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model_path: Path) -> Path:
+    return cached_tool_model(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def stack(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    from _gateway_helpers import engine_and_router
+
+    d = tmp_path_factory.mktemp("anthropic")
+    with engine_and_router(tool_model, d) as router_url:
+        yield router_url, d
+
+
+@pytest.fixture(scope="module")
+def gateway(stack: tuple[str, Path], tool_model: Path) -> Iterator[GatewayProc]:
+    router_url, d = stack
+    gw = start_gateway(router_url, tool_model, d / "traj.db", d / "gateway.log")
+    yield gw
+    stop_gateway(gw)
+
+
+def client(gw: GatewayProc, api_key: str = "EMPTY") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.url, api_key=api_key, max_retries=0, timeout=120)
+
+
+def session(gw: GatewayProc) -> str:
+    return httpx.post(f"{gw.base_url}/sessions", json={}, timeout=30).raise_for_status().json()["id"]
+
+
+def trajectories(gw: GatewayProc, sid: str) -> list[dict]:
+    return httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30).raise_for_status().json()
+
+
+def check_mask(traj: dict, n_turns: int) -> None:
+    """Loss mask 1 exactly on the generated spans, each with an engine logprob."""
+    assert len(traj["turns"]) == n_turns
+    generated = [i for t in traj["turns"] for i in range(t["output_start"], t["output_end"])]
+    assert [i for i, m in enumerate(traj["loss_mask"]) if m] == generated
+    assert all(traj["rollout_logprobs"][i] <= 0.0 for i in generated)
+
+
+def test_create_and_stream_give_the_same_message_and_record(gateway: GatewayProc) -> None:
+    c = client(gateway)
+    kw = dict(model=MODEL, max_tokens=24, extra_body={"temperature": 0.0}, system="Be brief.",
+              messages=[{"role": "user", "content": [{"type": "text", "text": "Tell me a story."}]}])
+    sid_a, sid_b = session(gateway), session(gateway)
+    plain = c.messages.create(**kw, extra_headers={"X-Session-Id": sid_a})
+    with c.messages.stream(**kw, extra_headers={"X-Session-Id": sid_b}) as s:
+        deltas = [e.delta.text for e in s if e.type == "content_block_delta" and e.delta.type == "text_delta"]
+        final = s.get_final_message()
+    assert plain.id.startswith("msg_") and plain.type == "message" and plain.role == "assistant"
+    assert plain.stop_reason in ("end_turn", "max_tokens")
+    text = "".join(b.text for b in plain.content if b.type == "text")
+    assert text and "".join(deltas) == text
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in plain.content]
+    assert final.stop_reason == plain.stop_reason
+    assert final.usage.input_tokens == plain.usage.input_tokens
+    assert final.usage.output_tokens == plain.usage.output_tokens
+    for sid, msg in ((sid_a, plain), (sid_b, final)):
+        (traj,) = trajectories(gateway, sid)
+        check_mask(traj, 1)
+        (turn,) = traj["turns"]
+        assert turn["output_start"] == msg.usage.input_tokens
+        assert turn["output_end"] - turn["output_start"] == msg.usage.output_tokens
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["create", "stream"])
+def test_tool_use_and_tool_result_round_trip_is_one_trajectory(gateway: GatewayProc, streamed: bool) -> None:
+    c = client(gateway)
+    sid = session(gateway)
+    hdr = {"X-Session-Id": sid}
+    messages: list[dict] = [{"role": "user", "content": TOOL_USER}]
+    kw = dict(model=MODEL, max_tokens=40, extra_body={"temperature": 0.0}, tools=[TOOL], extra_headers=hdr)
+    if streamed:
+        with c.messages.stream(messages=messages, **kw) as s:
+            kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in s]
+            first = s.get_final_message()
+        assert ("content_block_delta", "input_json_delta") in kinds
+        assert kinds.index(("message_delta", None)) > max(i for i, k in enumerate(kinds) if k[0] == "content_block_stop")
+    else:
+        first = c.messages.create(messages=messages, **kw)
+    assert first.stop_reason == "tool_use"
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"}
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": TOOL_RESULT}]}]
+    second = c.messages.create(messages=messages, **{**kw, "max_tokens": 16})
+    (traj,) = trajectories(gateway, sid)
+    check_mask(traj, 2)
+    t0, t1 = traj["turns"]
+    assert t0["output_end"] - t0["output_start"] == first.usage.output_tokens
+    assert t1["prompt_start"] == t0["output_end"]  # the model's own tokens, then the tool result: nothing re-rendered
+    assert t1["output_start"] == second.usage.input_tokens
+
+
+def test_stop_sequence_is_reported(gateway: GatewayProc) -> None:
+    c = client(gateway)
+    kw = dict(model=MODEL, max_tokens=24, extra_body={"temperature": 0.0}, messages=[{"role": "user", "content": "Tell me a story."}])
+    text = c.messages.create(**kw).content[0].text
+    stop = text[6:9]
+    assert len(stop) == 3 and stop.strip()
+    cut = c.messages.create(**kw, stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]
+    with c.messages.stream(**kw, stop_sequences=[stop]) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    assert final.content[0].text == cut.content[0].text
+
+
+def test_count_tokens_is_the_prompt_a_message_bills(gateway: GatewayProc) -> None:
+    c = client(gateway)
+    kw = dict(model=MODEL, system="Be brief.", tools=[TOOL], messages=[{"role": "user", "content": TOOL_USER}])
+    counted = c.messages.count_tokens(**kw)
+    made = c.messages.create(**kw, max_tokens=1)
+    assert counted.input_tokens == made.usage.input_tokens > 20
+
+
+def test_errors_are_in_anthropic_format(gateway: GatewayProc) -> None:
+    c = client(gateway)
+    with pytest.raises(anthropic.NotFoundError) as e:
+        c.messages.create(model="claude-nonexistent", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "Hi"}])
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in e.value.body["error"]["message"]
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [image]}])
+    assert "image" in e.value.body["error"]["message"]
+    r = httpx.post(f"{gateway.base_url}/messages", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    # the OpenAI routes keep OpenAI's shape
+    r = httpx.post(f"{gateway.base_url}/chat/completions", json={"model": MODEL}, timeout=30)
+    assert r.status_code == 400 and "error" in r.json() and "type" not in r.json()
+
+
+def test_x_api_key_authenticates(stack: tuple[str, Path], tool_model: Path) -> None:
+    router_url, d = stack
+    gw = start_gateway(router_url, tool_model, d / "keyed.db", d / "keyed.log", settings={"api_key": "sekret"})
+    try:
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            client(gw, api_key="wrong").messages.create(model=MODEL, max_tokens=2,
+                                                        messages=[{"role": "user", "content": "Hi"}])
+        assert e.value.body["error"]["type"] == "authentication_error"
+        ok = client(gw, api_key="sekret").messages.create(model=MODEL, max_tokens=2,
+                                                          messages=[{"role": "user", "content": "Hi"}])
+        assert ok.usage.output_tokens >= 1
+    finally:
+        stop_gateway(gw)
+
+
+def test_claude_code_session_header_names_the_session(gateway: GatewayProc) -> None:
+    c = client(gateway)
+    sid = f"cc-{json.dumps(1)}-{id(c)}"
+    msgs: list[dict] = [{"role": "user", "content": "Hi"}]
+    first = c.messages.create(model=MODEL, max_tokens=6, extra_body={"temperature": 0.0}, messages=msgs,
+                              extra_headers={"X-Claude-Code-Session-Id": sid})
+    msgs += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+             {"role": "user", "content": [{"type": "text", "text": "More?"}]}]
+    c.messages.create(model=MODEL, max_tokens=6, extra_body={"temperature": 0.0}, messages=msgs,
+                      extra_headers={"X-Claude-Code-Session-Id": sid})
+    (traj,) = trajectories(gateway, sid)
+    check_mask(traj, 2)

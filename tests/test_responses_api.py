@@ -1,0 +1,192 @@
+"""Acceptance (issue 21): the real ``openai`` SDK's ``responses`` API against the gateway process, in front
+of the real sgl-router and a CPU engine serving the tiny model fine-tuned to call a tool.
+
+Every turn is checked in the store: one trajectory per conversation, loss mask exactly on the
+generated tokens, a continued turn's prompt the previous turn's tokens plus only the new input.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from _gateway_helpers import (
+    MODEL,
+    TOOL_RESULT,
+    TOOL_USER,
+    WEATHER_TOOL,
+    GatewayProc,
+    cached_tool_model,
+    openai_client,
+    start_gateway,
+    stop_gateway,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TOOL = {"type": "function", **WEATHER_TOOL["function"]}
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model_path: Path) -> Path:
+    return cached_tool_model(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def gateway(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
+    from _gateway_helpers import engine_and_router
+
+    d = tmp_path_factory.mktemp("responses")
+    with engine_and_router(tool_model, d) as router_url:
+        gw = start_gateway(router_url, tool_model, d / "traj.db", d / "gateway.log")
+        yield gw
+        stop_gateway(gw)
+
+
+def session(gw: GatewayProc) -> str:
+    return httpx.post(f"{gw.base_url}/sessions", json={}, timeout=30).raise_for_status().json()["id"]
+
+
+def trajectories(gw: GatewayProc, sid: str) -> list[dict]:
+    return httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30).raise_for_status().json()
+
+
+def session_of(gw: GatewayProc, response_id: str) -> str:
+    """The session a response was recorded in (the feedback route answers with it)."""
+    r = httpx.post(f"{gw.base_url}/responses/{response_id}/feedback", json={"score": 0.0}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["session_id"]
+
+
+def check_mask(traj: dict, n_turns: int) -> None:
+    assert len(traj["turns"]) == n_turns
+    generated = [i for t in traj["turns"] for i in range(t["output_start"], t["output_end"])]
+    assert [i for i, m in enumerate(traj["loss_mask"]) if m] == generated
+    assert all(traj["rollout_logprobs"][i] <= 0.0 for i in generated)
+
+
+def test_create_and_stream_agree_and_are_recorded(gateway: GatewayProc) -> None:
+    c = openai_client(gateway)
+    kw = dict(model=MODEL, instructions="Be brief.", input="Tell me a story.", temperature=0, max_output_tokens=24)
+    sid_a, sid_b = session(gateway), session(gateway)
+    plain = c.responses.create(**kw, extra_headers={"X-Session-Id": sid_a})
+    events = list(c.responses.create(**kw, stream=True, extra_headers={"X-Session-Id": sid_b}))
+    assert plain.id.startswith("resp_") and plain.object == "response" and plain.output_text
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == plain.output_text
+    final = events[-1].response
+    assert final.output_text == plain.output_text and final.status == plain.status
+    assert final.usage.model_dump() == plain.usage.model_dump()
+    with c.responses.stream(**kw, extra_headers={"X-Session-Id": session(gateway)}) as s:
+        helper = s.get_final_response() if plain.status == "completed" else None
+    if helper is not None:
+        assert helper.output_text == plain.output_text
+    for sid, resp in ((sid_a, plain), (sid_b, final)):
+        (traj,) = trajectories(gateway, sid)
+        check_mask(traj, 1)
+        (turn,) = traj["turns"]
+        assert turn["output_start"] == resp.usage.input_tokens
+        assert turn["output_end"] - turn["output_start"] == resp.usage.output_tokens
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["create", "stream"])
+def test_function_call_round_trip_through_previous_response_id(gateway: GatewayProc, streamed: bool) -> None:
+    c = openai_client(gateway)
+    kw = dict(model=MODEL, tools=[TOOL], temperature=0)
+    if streamed:
+        events = list(c.responses.create(input=TOOL_USER, max_output_tokens=40, stream=True, **kw))
+        kinds = [e.type for e in events]
+        assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+        assert kinds[-1] == "response.completed"
+        first = events[-1].response
+        added = [e.item.id for e in events if e.type == "response.output_item.added"]
+        assert added == [item.id for item in first.output]
+    else:
+        first = c.responses.create(input=TOOL_USER, max_output_tokens=40, **kw)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    second = c.responses.create(previous_response_id=first.id, max_output_tokens=16, **kw,
+                                input=[{"type": "function_call_output", "call_id": call.call_id,
+                                        "output": TOOL_RESULT}])
+    assert second.previous_response_id == first.id
+    sid = session_of(gateway, second.id)
+    assert session_of(gateway, first.id) == sid
+    (traj,) = trajectories(gateway, sid)
+    check_mask(traj, 2)
+    t0, t1 = traj["turns"]
+    assert t0["output_end"] - t0["output_start"] == first.usage.output_tokens
+    assert t1["prompt_start"] == t0["output_end"]  # the model's own tokens, then only the tool output
+    assert t1["output_start"] == second.usage.input_tokens
+
+
+def test_three_turn_chain_is_one_trajectory_and_retrievable(gateway: GatewayProc) -> None:
+    c = openai_client(gateway)
+    previous = None
+    ids = []
+    for k in range(3):
+        r = c.responses.create(model=MODEL, instructions="Be brief.", input=f"Question {k}?", temperature=0,
+                               max_output_tokens=6, previous_response_id=previous)
+        ids.append(r.id)
+        previous = r.id
+    sid = session_of(gateway, ids[-1])
+    (traj,) = trajectories(gateway, sid)
+    check_mask(traj, 3)
+    assert [t["prompt_start"] for t in traj["turns"][1:]] == [t["output_end"] for t in traj["turns"][:-1]]
+    got = c.responses.retrieve(ids[1])
+    assert got.id == ids[1] and got.previous_response_id == ids[0]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve("resp_doesnotexist")
+
+
+def test_stateless_full_input_with_a_session_header_merges(gateway: GatewayProc) -> None:
+    """What Codex CLI does: store false, the whole conversation each time, its session id in a header."""
+    c = openai_client(gateway)
+    sid = "codex-like-session"
+    hdr = {"session_id": sid}
+    items: list[dict] = [{"role": "developer", "content": "You are a weather agent."},
+                         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": TOOL_USER}]}]
+    first = c.responses.create(model=MODEL, input=items, tools=[TOOL], temperature=0, max_output_tokens=40,
+                               store=False, extra_headers=hdr)
+    items += [item.model_dump(exclude_none=True) for item in first.output]
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT})
+    c.responses.create(model=MODEL, input=items, tools=[TOOL], temperature=0, max_output_tokens=8, store=False,
+                       extra_headers=hdr)
+    (traj,) = trajectories(gateway, sid)
+    check_mask(traj, 2)
+    assert traj["turns"][1]["prompt_start"] == traj["turns"][0]["output_end"]
+    with pytest.raises(openai.NotFoundError):  # store: false keeps nothing to retrieve or continue
+        c.responses.retrieve(first.id)
+
+
+def test_cut_by_max_output_tokens_is_incomplete(gateway: GatewayProc) -> None:
+    r = openai_client(gateway).responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=2,
+                                                extra_body={"ignore_eos": True})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 2
+
+
+def test_bad_input_is_an_openai_error(gateway: GatewayProc) -> None:
+    c = openai_client(gateway)
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input=[image])
+    assert "input_image" in e.value.body["message"] and e.value.body["param"] == "input[0].content[0]"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input="Hi", text={"format": {"type": "json_object"}})
+    assert e.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="gpt-nonexistent", input="Hi")
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.create(model=MODEL, input="Hi", previous_response_id="resp_missing")
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError):
+        c.responses.create(model=MODEL, input=[])
