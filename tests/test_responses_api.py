@@ -104,7 +104,8 @@ def test_function_call_round_trip_through_previous_response_id(gateway: GatewayP
     if streamed:
         events = list(c.responses.create(input=TOOL_USER, max_output_tokens=40, stream=True, **kw))
         kinds = [e.type for e in events]
-        assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+        assert kinds.count("response.function_call_arguments.delta") > 1  # the arguments stream as generated
+        assert "response.function_call_arguments.done" in kinds
         assert kinds[-1] == "response.completed"
         first = events[-1].response
         added = [e.item.id for e in events if e.type == "response.output_item.added"]

@@ -92,7 +92,35 @@ def _chunks(text: str, cuts: list[int]) -> list[str]:
 
 
 TEXTS = [ONE, TWO, "Let me check.\n" + TWO, "plain answer with <tool_ and <tool_call without end",
+         '<tool_call>\n{"name": "s", "arguments": {"q": "}{\\\\\\"", "k": [{}]}}\n</tool_call>',
          "a < b and <tool_call>\n{bad}\n</tool_call> tail", "  \n" + ONE + "\n  "]
+
+
+def test_hermes_arguments_stream_as_they_are_written() -> None:
+    """The call is announced at its name; its arguments leave piece by piece, before the closing marker."""
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris", "n": [1, {"x": 2}]}}\n</tool_call>'
+    s = HermesToolParser().streaming()
+    seen: list[tuple[int, str | None, str]] = []  # (characters fed, name, arguments piece)
+    for k in range(1, len(text) + 1):
+        for tc in s.feed(text[k - 1]).tool_calls:
+            seen.append((k, tc.function.name, tc.function.arguments or ""))
+    for tc in s.finish().tool_calls:
+        seen.append((len(text) + 1, tc.function.name, tc.function.arguments or ""))
+    (whole,) = HermesToolParser().parse(text).calls
+    assert "".join(a for _, _, a in seen) == whole.arguments == '{"city": "Pa\\"ris", "n": [1, {"x": 2}]}'
+    announced = next(k for k, name, _ in seen if name)
+    assert text[:announced].endswith('"arguments": {')  # the name is out as the arguments begin
+    closing = text.index("</tool_call>")
+    assert max(k for k, _, a in seen if a) <= text.index("}}") + 1 < closing  # all arguments out before the marker
+    assert len([a for _, _, a in seen if a]) > 10  # and piece by piece, not in one delta
+
+
+def test_a_broken_call_after_its_announcement_ends_as_content() -> None:
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}, oops}\n</tool_call> after'
+    content, calls = _stream(HermesToolParser(), list(text))
+    assert calls == [("f", '{"a": 1}')]  # announced and streamed, never confirmed
+    assert content == text  # the block is content, as the whole-text parse has it
+    assert HermesToolParser().parse(text).content == text
 
 
 @settings(max_examples=60, deadline=None)

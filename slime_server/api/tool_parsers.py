@@ -7,8 +7,13 @@ substring the model produced, so a client that sends the call back gets the same
 again (token-exact sessions, ARCHITECTURE decision 3).
 
 Streaming: ``StreamingToolParser.feed(delta)`` returns content to show now plus tool-call deltas.
-Text that might be the beginning of a call marker is held back until it is decided; a call is
-emitted when its closing marker arrives (first delta: id + name, second: the arguments).
+Text that might be the beginning of a call marker is held back until it is decided. A Hermes call
+is announced (id + name) as soon as ``{"name": "…", "arguments": {`` is seen, and its arguments
+stream as the model writes them, up to the end of the arguments object; at the closing marker the
+whole-text parse confirms them (the streamed arguments are then exactly the recorded ones). A model
+that breaks a call it began leaves that call with the arguments streamed so far, and the block's
+text follows as content, as the whole-text parse has it. Llama 3 and Mistral calls are bare JSON
+without a closing marker: they are emitted whole at the end.
 """
 
 from __future__ import annotations
@@ -38,6 +43,50 @@ class ParseResult:
 class StreamDelta:
     content: str = ""
     tool_calls: list[DeltaToolCall] = field(default_factory=list)
+
+
+# The head of a Hermes call whose arguments are a JSON object: name known, the arguments about to stream.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+@dataclass
+class _OpenCall:
+    """A call announced before its closing marker; ``scan`` yields its arguments as they grow."""
+
+    call: ParsedCall
+    index: int
+    args_start: int  # where the arguments object starts in the call's body
+    sent: str = ""
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    closed: bool = False  # the arguments object is complete: nothing more streams before the marker
+
+    def scan(self, body: str) -> str:
+        """New text of the arguments object in ``body`` (the text after ``<tool_call>`` so far)."""
+        start = self.args_start + len(self.sent)
+        end = start
+        for ch in body[start:]:
+            if self.closed:
+                break
+            end += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.closed = self.depth <= 0
+        piece = body[start:end]
+        self.sent += piece
+        return piece
 
 
 def _arguments_substring(obj_text: str, key: str, value: object) -> str:
@@ -210,6 +259,7 @@ class StreamingToolParser:
         self._bare_json: bool | None = None  # llama3: decided by the first non-space character
         self._pending_ws = ""
         self._shown_content = False
+        self._open: _OpenCall | None = None
 
     def feed(self, delta: str) -> StreamDelta:
         self.buffer += delta
@@ -222,6 +272,7 @@ class StreamingToolParser:
     def finish(self) -> StreamDelta:
         """Flush at end of generation: parse what is left (e.g. a trailing bare-JSON call)."""
         rest, self.buffer = self.buffer, ""
+        self._open = None  # a call cut before its closing marker: its text is content, as parse() has it
         out = StreamDelta()
         if rest:
             result = self.parser.parse(rest)
@@ -271,15 +322,54 @@ class StreamingToolParser:
             self.buffer = self.buffer[i:]
             j = self.buffer.find(p.end)
             if j < 0:
-                break  # wait for the closing marker
+                out.tool_calls.extend(self._stream_open_call(self.buffer[len(p.start):]))
+                break  # the rest waits for the closing marker
             block = self.buffer[: j + len(p.end)]
             call = _call_from_json(block[len(p.start): j])
-            if call is None:
+            opened, self._open = self._open, None
+            if opened is not None:
+                rest = self._finish_open_call(opened, call)
+                if rest is None:
+                    out.content += self._content(block)
+                else:
+                    out.tool_calls.extend(rest)
+            elif call is None:
                 out.content += self._content(block)
             else:
                 out.tool_calls.extend(self._emit(call))
             self.buffer = self.buffer[j + len(p.end):]
         return out
+
+    def _stream_open_call(self, body: str) -> list[DeltaToolCall]:
+        """Announce a call once its name and the start of its arguments are written; stream those."""
+        deltas: list[DeltaToolCall] = []
+        if self._open is None:
+            head = _CALL_HEAD.match(body)
+            if head is None:
+                return []
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                return []
+            call = ParsedCall(name, "")
+            self._pending_ws = ""
+            self._open = _OpenCall(call=call, index=len(self.emitted_calls), args_start=head.end())
+            self.emitted_calls.append(call)
+            deltas.append(DeltaToolCall(index=self._open.index, id=call.id, type="function",
+                                        function=DeltaFunctionCall(name=name, arguments="")))
+        piece = self._open.scan(body)
+        if piece:
+            deltas.append(DeltaToolCall(index=self._open.index, function=DeltaFunctionCall(arguments=piece)))
+        return deltas
+
+    @staticmethod
+    def _finish_open_call(opened: _OpenCall, call: ParsedCall | None) -> list[DeltaToolCall] | None:
+        """The rest of an announced call's arguments, or None when the whole-text parse disowns the call."""
+        if call is None or call.name != opened.call.name or not call.arguments.startswith(opened.sent):
+            return None
+        opened.call.arguments = call.arguments
+        rest = call.arguments[len(opened.sent):]
+        return [DeltaToolCall(index=opened.index, function=DeltaFunctionCall(arguments=rest))] if rest else []
 
     def _feed_until_marker(self, marker: str) -> StreamDelta:
         """Content up to ``marker``; from the marker on, everything is calls, decided at finish()."""
