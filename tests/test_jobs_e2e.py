@@ -80,10 +80,11 @@ def drive(server: Any, n: int, concurrency: int = 4) -> list[str]:
         return list(pool.map(lambda i: episode(server, i), range(n)))
 
 
-def create_job(server: Any, pacing: dict[str, Any] | None = None, **loop: Any) -> dict[str, Any]:
+def create_job(server: Any, pacing: dict[str, Any] | None = None, loss: dict[str, Any] | None = None,
+               **loop: Any) -> dict[str, Any]:
     body = {"name": "test", "algorithm": "reinforce_plus_plus", "optimizer": {"lr": 1e-3},
             "loop": {"batch_size": 4, "checkpoint_interval": 2, "poll_interval_s": 0.05, **loop},
-            "pacing": pacing or {}}
+            "pacing": pacing or {}, "loss": loss or {}}
     with admin(server) as c:
         r = c.post("/jobs", json=body)
         assert r.status_code == 200, r.text
@@ -174,6 +175,21 @@ def test_live_job_trains_and_pushes_while_serving(server: Any) -> None:
         assert f'slime_job_step{{job="{j["id"]}"}}' in prom
     assert list((Path(server.jobs.work_dir) / j["id"] / "tb").glob("events.out.tfevents.*"))
     assert cancel(server, j["id"])["status"] == "cancelled"
+
+
+def test_kl_job_keeps_a_reference_and_corrects_off_policy_by_default(server: Any) -> None:
+    """Issue 19: a job with a KL loss runs (its ranks keep the base weights as reference): the KL is 0 on the
+    first step, when the policy still is the base, and grows after; TIS is on (an asynchronous job)."""
+    drain_pool(server)
+    j = create_job(server, max_staleness=None, loss={"kl_coef": 0.01, "kl_type": "low_var_kl"})
+    wait_event(server, j["id"], "trainer_ready")
+    drive(server, 12)
+    j = wait_job(server, j["id"], lambda j: j["step"] >= 3)
+    with admin(server) as c:
+        steps = [m["metrics"] for m in c.get(f"/jobs/{j['id']}/metrics").raise_for_status().json()][:3]
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0 and steps[2]["kl"] > 0.0, [m["kl"] for m in steps]
+    assert all(m["tis_weight_mean"] > 0 for m in steps) and "tis_clip_fraction" in steps[0]
+    cancel(server, j["id"])
 
 
 def test_pause_resume_cancel_and_pacing(server: Any) -> None:

@@ -43,11 +43,18 @@ class RecordingTrainer:
 
     def __init__(self) -> None:
         self.batches: list[list[Any]] = []
+        self.kwargs: list[dict[str, Any]] = []
         self.pushes: list[int] = []
+        self.scored: list[tuple[int, bool]] = []
 
     def train_step(self, samples, **kw):
         self.batches.append(list(samples))
-        return {"loss": 0.5}
+        self.kwargs.append(kw)
+        return {"loss": 0.5 * len(self.batches), "ratio_max": float(len(self.batches))}
+
+    def compute_logprobs(self, samples, reference=False):
+        self.scored.append((len(samples), reference))
+        return [[-0.25 if reference else -0.5] * len(s.tokens) for s in samples]
 
     def push_weights(self, urls, version, bucket_bytes=None):
         self.pushes.append(int(version))
@@ -121,3 +128,79 @@ def test_unrewarded_and_open_trajectories_are_not_taken(store, tmp_path: Path) -
     lp, trainer = loop(store, tmp_path, batch_size=1)
     add(store, "u", reward=None)
     assert lp.step_once() is None and trainer.batches == []
+
+
+def test_several_optimizer_steps_per_batch_share_one_old_policy(store, tmp_path: Path) -> None:
+    """num_steps_per_rollout: the batch in consecutive mini-batches, each trained against the log-probs scored
+    once before the first step; one version and one push for the whole batch."""
+    lp, trainer = loop(store, tmp_path, batch_size=4, n_samples_per_prompt=2, num_steps_per_rollout=2,
+                       advantage={"estimator": "grpo"})
+    ids = [add(store, f"a{i}", group="A", reward=float(i)) for i in range(2)]
+    ids += [add(store, f"b{i}", group="B", reward=float(i)) for i in range(2)]
+    metrics = lp.step_once()
+    assert trainer.scored == [(4, False)]
+    assert [[s.sample_id for s in b] for b in trainer.batches] == [ids[:2], ids[2:]]
+    for kw in trainer.kwargs:
+        assert [o.tolist() for o in kw["old_logprobs"]] == [[-0.5] * 6] * 2 and kw["bump_version"] is False
+    assert metrics["optimizer_steps"] == 2.0 and metrics["loss"] == 0.75 and metrics["ratio_max"] == 2.0
+    assert lp.state.step == 1 and lp.state.version == 1 and trainer.pushes == [1]
+
+
+def test_one_step_per_batch_scores_nothing_beforehand(store, tmp_path: Path) -> None:
+    lp, trainer = loop(store, tmp_path, batch_size=2, n_samples_per_prompt=2, advantage={"estimator": "grpo"})
+    [add(store, f"a{i}", group="A", reward=float(i)) for i in range(2)]
+    lp.step_once()
+    assert trainer.scored == [] and trainer.kwargs[0]["old_logprobs"] is None
+
+
+def test_kl_reward_shaping_scores_policy_and_reference(store, tmp_path: Path) -> None:
+    lp, trainer = loop(store, tmp_path, batch_size=2, n_samples_per_prompt=2,
+                       advantage={"estimator": "reinforce_plus_plus", "kl_coef": 0.5, "gamma": 1.0})
+    [add(store, f"a{i}", group="A", reward=1.0) for i in range(2)]
+    lp.step_once()
+    assert trainer.scored == [(2, False), (2, True)]
+    # k1 KL = -0.5 - (-0.25) = -0.25 per token; reward shaping -kl_coef * kl = +0.125 on each of the 3 generated
+    # tokens, +1 on the last; REINFORCE++ returns (gamma 1): 1.375, 1.25, 1.125, whitened over the batch
+    (first, *_) = trainer.batches[0]
+    adv = [a for a, m in zip(first.advantages, first.loss_mask, strict=True) if m]
+    assert adv[0] > adv[1] > adv[2]
+
+
+def test_batch_size_must_split_into_the_steps() -> None:
+    with pytest.raises(ValueError, match="multiple of num_steps_per_rollout"):
+        LoopSettings(batch_size=6, num_steps_per_rollout=4)
+
+
+class FailingTrainer(RecordingTrainer):
+    """A rank that raises inside ``train_step`` (Ray wraps it in RayTaskError) and is, or is not, still alive."""
+
+    def __init__(self, alive: bool) -> None:
+        super().__init__()
+        self._alive = alive
+
+    def train_step(self, samples, **kw):
+        import ray.exceptions
+
+        raise ray.exceptions.RayTaskError("train_step", "Traceback ...\nValueError: bad setting x",
+                                            ValueError("bad setting x")).as_instanceof_cause()
+
+    def alive(self) -> bool:
+        return self._alive
+
+
+@pytest.mark.parametrize("alive", [True, False], ids=["error-in-live-rank", "peer-died"])
+def test_an_error_inside_a_live_rank_fails_at_once_a_death_restarts(store, tmp_path: Path, alive: bool) -> None:
+    built: list[FailingTrainer] = []
+
+    def make() -> FailingTrainer:
+        built.append(FailingTrainer(alive))
+        return built[-1]
+
+    lp = TrainLoop(store, make, EngineControl(lambda: []), LoopSettings(batch_size=2, n_samples_per_prompt=2,
+                                                                       advantage={"estimator": "grpo"}),
+                   tmp_path, job_id="job-x")
+    [add(store, f"a{i}", group="A", reward=float(i)) for i in range(2)]
+    with pytest.raises(ValueError, match="bad setting x"):
+        lp.run(max_restarts=2)
+    assert lp.state.restarts == (0 if alive else 2)  # a live rank's error is not repeated; a death is retried
+    assert len(built) == (1 if alive else 3)

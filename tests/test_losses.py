@@ -105,6 +105,36 @@ def test_tis_weights_clip() -> None:
     assert no_tis.item() == pytest.approx(-1.0) and m0["tis_weight_mean"].item() == 1.0
 
 
+def test_mis_masks_tokens_outside_the_range() -> None:
+    # The same raw weights 3, 0.5, 1 with mode "mask" and range [0.6, 2]: 3 and 0.5 are outside -> 0, 1 stays.
+    # loss_t = -w_t: mean = -(0 + 0 + 1) / 3; weight mean 1/3; 2 of 3 counted as clipped.
+    old = [0.0, -1.0, -2.0, -0.5]
+    rollout = [0.0, -1.0 - math.log(3), -2.0 + math.log(2), -0.5]
+    cfg = LossConfig(loss_type="grpo", use_tis=True, tis_mode="mask", tis_clip=2.0, tis_clip_low=0.6)
+    _, loss, m = _call(cfg, old, [0.0, 1.0, 1.0, 1.0], [0, 1, 1, 1], [4], old=old, rollout=rollout)
+    assert loss.item() == pytest.approx(-1.0 / 3, abs=1e-12)
+    assert m["tis_weight_mean"].item() == pytest.approx(1.0 / 3)
+    assert m["tis_clip_fraction"].item() == pytest.approx(2.0 / 3)
+
+
+@pytest.mark.parametrize(("level", "weights"), [
+    # two samples [t0 unmasked, t1, t2] and [t3, t4]; old - rollout: 0, ln 2, ln 3 | ln 0.5, ln 0.25
+    ("sequence", [6.0, 6.0, 0.125, 0.125]),  # products over the masked tokens: 2 * 3 = 6; 0.5 * 0.25 = 0.125
+    ("geometric", [math.sqrt(6.0), math.sqrt(6.0), math.sqrt(0.125), math.sqrt(0.125)]),  # their geometric means
+])
+def test_sequence_level_importance_weights(level: str, weights: list[float]) -> None:
+    old = [0.0, -1.0, -1.0, -1.0, -1.0]
+    rollout = [0.0, -1.0 - math.log(2), -1.0 - math.log(3), -1.0 - math.log(0.5), -1.0 - math.log(0.25)]
+    cfg = LossConfig(loss_type="grpo", use_tis=True, tis_level=level, tis_clip=100.0)
+    _, loss, m = _call(cfg, old, [0.0, 1.0, 1.0, 1.0, 1.0], [0, 1, 1, 1, 1], [3, 2], old=old, rollout=rollout)
+    # ratio 1, A = +1: loss = -(mean of the masked tokens' weights)
+    assert loss.item() == pytest.approx(-sum(weights) / 4, rel=1e-12)
+    assert m["tis_weight_mean"].item() == pytest.approx(sum(weights) / 4, rel=1e-12)
+    clipped = LossConfig(loss_type="grpo", use_tis=True, tis_level=level, tis_clip=2.0)
+    _, _, mc = _call(clipped, old, [0.0, 1.0, 1.0, 1.0, 1.0], [0, 1, 1, 1, 1], [3, 2], old=old, rollout=rollout)
+    assert mc["tis_clip_fraction"].item() == pytest.approx(0.5)  # sample 1's tokens only (weight > 2)
+
+
 def test_token_vs_sequence_aggregation_on_unequal_lengths() -> None:
     # SFT loss = -logp. Sample 1 masks one token (logp -2), sample 2 three tokens (logp -1 each).
     # token: (2 + 1 + 1 + 1) / 4 = 1.25   sequence: (2/1 + 3/3) / 2 = 1.5

@@ -64,7 +64,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
         return start_trainer_group(model_path, tr, optimizer=spec.optimizer, loss=spec.loss_config(),
                                    temperature=temperature,
                                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
-                                   engine_api_key=engine_api_key)
+                                   engine_api_key=engine_api_key, reference=spec.needs_reference())
 
     def configure_loop(loop: Any) -> None:
         if push_guard is not None:

@@ -76,10 +76,13 @@ class JobSpec(_Strict):
 
     name: str | None = Field(None, max_length=200)
     base_model: str | None = Field(None, description="must be the served model (a live job trains it)")
-    algorithm: Algorithm = "reinforce_plus_plus"
+    algorithm: Algorithm = Field("reinforce_plus_plus", description="the advantage estimator and its loss; 'ppo' "
+                                 "(a critic with GAE) is refused until the trainer has a value model")
     data: DataSpec = Field(default_factory=DataSpec)
     loop: LoopSettings = Field(default_factory=LoopSettings)
-    loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (eps_clip, kl_coef, ...)")
+    loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (eps_clip, eps_clip_high, "
+                                 "kl_coef + kl_type: a KL term to a frozen copy of the base weights, use_tis + "
+                                 "tis_mode/tis_level/tis_clip: off-policy correction, on unless loop.sync, ...)")
     optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))
     pacing: PacingSpec = Field(default_factory=PacingSpec)
     max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="default: the server's trainer setting")
@@ -108,14 +111,28 @@ class JobSpec(_Strict):
             raise ValueError(f"algorithm {self.algorithm!r} subtracts its group's mean reward: with "
                              "loop.n_samples_per_prompt 1 every advantage is 0; use 'reinforce_plus_plus' (batch "
                              "baseline) or groups of n >= 2")
+        if self.algorithm == "ppo":
+            raise ValueError("algorithm 'ppo' needs a critic (value model, GAE), which this trainer does not have "
+                             "yet; 'grpo' is PPO's clipped objective with a group baseline instead of a critic")
+        if self.loop.advantage.kl_coef > 0 and self.estimator() not in ("reinforce_plus_plus",
+                                                                         "reinforce_plus_plus_baseline"):
+            raise ValueError("loop.advantage.kl_coef shapes REINFORCE++ rewards; for "
+                             f"{self.algorithm!r} use loss.kl_coef (the KL loss term)")
         LossConfig(**self.loss_config())  # fail at submit time, not in the trainer
         return self
 
     def estimator(self) -> Estimator:
-        return "grpo" if self.algorithm == "ppo" else self.algorithm
+        return self.algorithm  # type: ignore[return-value]  # 'ppo' is refused above
 
     def loss_config(self) -> dict[str, Any]:
-        return {"loss_type": self.algorithm if self.algorithm != "dr_grpo" else "grpo", **self.loss}
+        """The trainer's LossConfig. Off-policy correction (TIS on the recorded rollout log-probs) is on by
+        default for asynchronous jobs, whose samples may be up to ``max_staleness`` versions old."""
+        return {"loss_type": self.algorithm if self.algorithm != "dr_grpo" else "grpo",
+                "use_tis": not self.loop.sync, **self.loss}
+
+    def needs_reference(self) -> bool:
+        """Whether the trainer keeps a frozen reference model (KL loss or KL reward shaping)."""
+        return float(self.loss.get("kl_coef", 0.0) or 0.0) > 0 or self.loop.advantage.kl_coef > 0
 
     def loop_settings(self) -> LoopSettings:
         adv = self.loop.advantage.model_copy(update={"estimator": self.estimator()})

@@ -49,6 +49,8 @@ class TrainerRankSettings(BaseModel):
     megatron_args: dict[str, Any] = Field(default_factory=dict, description="TransformerConfig overrides")
     engine_api_key: str | None = Field(None, description="the engines' key (SGLang's --api-key) for weight pushes")
     weight_sync: Literal["auto", "tensor", "distributed"] = "auto"
+    reference: bool = Field(False, description="keep a frozen reference model (the base weights at hf_path) for "
+                            "the KL loss and KL reward shaping; costs one more copy of the weights and a forward")
 
 
 class TrainerRank:
@@ -58,6 +60,7 @@ class TrainerRank:
         self.settings = settings
         self.rendezvous = rendezvous
         self.bundle: OptimizerBundle | None = None
+        self.reference: torch.nn.Module | None = None
         self.step = 0
         self.policy_version = 0
 
@@ -96,6 +99,13 @@ class TrainerRank:
             model = model.cuda()
         load_hf_checkpoint_into(model, self.settings.hf_path)
         self.bundle = build_optimizer(model, self.settings.optimizer)
+        if self.settings.reference:  # same layout (TP shards) as the policy, never trained, never checkpointed
+            ref = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype,
+                                  **self.settings.megatron_args)
+            if torch.cuda.is_available():
+                ref = ref.cuda()
+            load_hf_checkpoint_into(ref, self.settings.hf_path)
+            self.reference = ref.eval().requires_grad_(False)
         return {"rank": layout.rank, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank,
                 "tp_size": layout.tp_size, "dp_size": layout.dp_size}
 
@@ -108,7 +118,11 @@ class TrainerRank:
         self, samples: Sequence[TrainSample], *, ref_logprobs: Sequence[torch.Tensor] | None = None,
         old_logprobs: Sequence[torch.Tensor] | None = None, bump_version: bool = True,
     ) -> dict[str, float]:
-        """One optimizer step on the global batch; the policy version advances when weights changed."""
+        """One optimizer step on the global batch; the policy version advances when weights changed.
+
+        With a reference model and no ``ref_logprobs`` given, they are computed here (the KL term)."""
+        if ref_logprobs is None and self.reference is not None:
+            ref_logprobs = self._logprobs(self.reference, samples)
         metrics = train_step(self._ready(), samples, self.settings.train,
                              old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
         self.step += 1
@@ -117,11 +131,17 @@ class TrainerRank:
         metrics.update(step=float(self.step), policy_version=float(self.policy_version))
         return metrics
 
-    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
-        """Per-sample token log-probs under the current weights (plain lists: cheap to ship over Ray)."""
-        lps = compute_logprobs(self._ready().model, samples, temperature=self.settings.train.temperature,
-                               max_tokens_per_micro_batch=self.settings.train.max_tokens_per_micro_batch)
-        return [lp.tolist() for lp in lps]
+    def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]]:
+        """Per-sample token log-probs under the current weights, or the reference model's (plain lists:
+        cheap to ship over Ray)."""
+        if reference and self.reference is None:
+            raise RuntimeError("this trainer has no reference model (TrainerRankSettings.reference)")
+        model = self.reference if reference else self._ready().model
+        return [lp.tolist() for lp in self._logprobs(model, samples)]
+
+    def _logprobs(self, model: torch.nn.Module, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+        return compute_logprobs(model, samples, temperature=self.settings.train.temperature,
+                                max_tokens_per_micro_batch=self.settings.train.max_tokens_per_micro_batch)
 
     def save_checkpoint(self, path: str) -> str:
         return str(save_checkpoint(path, self._ready(), step=self.step, policy_version=self.policy_version))
@@ -207,8 +227,18 @@ class TrainerGroup:
     def train_step(self, samples: Sequence[TrainSample], **kwargs: Any) -> dict[str, float]:
         return self._all("train_step", list(samples), **kwargs)[0]
 
-    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
-        return self._all("compute_logprobs", list(samples))[0]
+    def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]]:
+        return self._all("compute_logprobs", list(samples), reference)[0]
+
+    def alive(self, timeout: float = 10.0) -> bool:
+        """Whether every rank process still answers (a rank that died makes this False)."""
+        import ray
+
+        try:
+            ray.get([a.pid.remote() for a in self.actors], timeout=timeout)
+        except Exception:  # noqa: BLE001 - RayActorError, GetTimeoutError: a rank is gone or hung
+            return False
+        return True
 
     def save_checkpoint(self, path: str | Path) -> str:
         return self._all("save_checkpoint", str(path))[0]

@@ -3,8 +3,10 @@
     while the job runs:
         batch   = finished, rewarded, unconsumed trajectories from the buffer, whole groups only,
                   within ``max_staleness`` policy versions (stale ones dropped / down-weighted / kept)
+        old     = trainer.compute_logprobs(batch)         # only for several steps or KL reward shaping
         samples = advantages(batch)                       # GRPO, REINFORCE++, ... (trainer/advantages.py)
-        metrics = trainer.train_step(samples)             # Megatron-core ranks (Ray actors)
+        for mini in split(samples, num_steps_per_rollout):
+            metrics = trainer.train_step(mini, old)       # Megatron-core ranks (Ray actors)
         buffer.mark_consumed(batch, step)
         version += 1
         every ``update_weights_interval`` steps: bucketed push of the new weights to every engine
@@ -15,10 +17,18 @@ step trains and while the weights stream in; the recorded per-token versions mak
 every sample exact. ``sync=True`` pauses generation on the engines for the train + push window, so
 rollout and training alternate (the baseline ``tools/bench_async.py`` compares against).
 
+Off-policy correction: the loss multiplies each token by pi_old / pi_rollout (TIS, on the recorded rollout
+log-probs; ``LossConfig.use_tis``, truncated or masked, per token or per sequence). Jobs turn it on by
+default unless ``sync`` (``JobSpec.loss_config``): an asynchronous job trains on samples up to
+``max_staleness`` versions old, and this weight is what makes their gradient the current policy's.
+A KL term to a frozen reference (``loss.kl_coef``) is computed in the ranks, which then keep the base
+weights beside the policy (``TrainerRankSettings.reference``).
+
 Fault handling: a trainer rank that dies (kill -9, OOM) raises out of ``train_step``; ``recover``
 rebuilds the ranks, reloads the last checkpoint, puts the data consumed after it back in the pool
 (nothing acknowledged is lost) and pushes the restored weights under a NEW version number, so
-versions only ever go up.
+versions only ever go up. An exception raised inside a live rank (a bad setting, a bug) is not a death:
+the job fails at once with that message instead of restoring checkpoints to repeat it.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
@@ -64,6 +74,9 @@ class LoopSettings(BaseModel):
     stale_decay: float = Field(0.5, gt=0, le=1, description="downweight: advantage x decay ** (lag - max)")
     drop_zero_variance_groups: bool = Field(False, description="DAPO dynamic sampling: skip groups whose "
                                             "rewards are all equal (they carry no GRPO signal)")
+    num_steps_per_rollout: int = Field(1, ge=1, description="optimizer steps per batch (slime's name): the batch "
+                                       "is cut into this many mini-batches, trained in turn against log-probs "
+                                       "recomputed once before the first (so the PPO ratio and clip act)")
     update_weights_interval: int = Field(1, ge=1, description="push weights every N steps")
     checkpoint_interval: int = Field(5, ge=1, description="checkpoint every N steps")
     max_steps: int | None = Field(None, ge=1, description="stop (completed) after this many steps")
@@ -74,11 +87,20 @@ class LoopSettings(BaseModel):
     opd: OPDWeights | None = Field(None, description="on-policy distillation for samples carrying teacher "
                                    "log-probs (online hints): A = w_rl * A + w_opd * (teacher - student)")
 
+    @model_validator(mode="after")
+    def _check(self) -> LoopSettings:
+        if self.batch_size % self.num_steps_per_rollout:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of num_steps_per_rollout "
+                             f"({self.num_steps_per_rollout})")
+        return self
+
 
 class Trainer(Protocol):
     """What the loop needs from the trainer ranks (``TrainerGroup``, or one in-process ``TrainerRank``)."""
 
     def train_step(self, samples: Sequence[TrainSample], **kwargs: Any) -> dict[str, float]: ...
+
+    def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]]: ...
 
     def save_checkpoint(self, path: str) -> str: ...
 
@@ -251,13 +273,17 @@ class TrainLoop:
             try:
                 metrics = self.step_once()
             except Exception as e:
-                if not _is_trainer_failure(e) or failures >= max_restarts:
+                if not self._rank_died(e) or failures >= max_restarts:
                     raise
                 failures += 1
                 self.recover(e)
                 continue
             if metrics is None:
                 self.stop.wait(self.settings.poll_interval_s)
+
+    def _rank_died(self, e: BaseException) -> bool:
+        alive = getattr(self.trainer, "alive", None)
+        return _is_trainer_failure(e, alive if callable(alive) else None)
 
     def close(self) -> None:
         if self.trainer is not None:
@@ -317,7 +343,15 @@ class TrainLoop:
         assert self.trainer is not None
         s = self.settings
         t0 = time.monotonic()
-        samples = with_opd(compute_advantages([to_train_sample(t) for t in batch.trajectories], s.advantage), s.opd)
+        raw = [to_train_sample(t) for t in batch.trajectories]
+        old_lp: list[list[float]] | None = None
+        kl: list[list[float]] | None = None
+        if s.num_steps_per_rollout > 1 or s.advantage.kl_coef > 0:
+            old_lp = self.trainer.compute_logprobs(raw)  # the policy before this batch's updates
+        if s.advantage.kl_coef > 0:  # REINFORCE++ reward shaping: k1 KL of that policy to the reference
+            ref_lp = self.trainer.compute_logprobs(raw, reference=True)
+            kl = [[o - r for o, r in zip(o_s, r_s, strict=True)] for o_s, r_s in zip(old_lp, ref_lp, strict=True)]
+        samples = with_opd(compute_advantages(raw, s.advantage, kl=kl), s.opd)
         downweighted = 0
         if s.stale_policy == "downweight" and s.max_staleness is not None:
             for i, lag in enumerate(batch.lags):
@@ -332,7 +366,7 @@ class TrainLoop:
                 self.engines.pause()
             try:
                 with self._push_lock:
-                    metrics = dict(self.trainer.train_step(samples, bump_version=False))
+                    metrics = self._train(samples, old_lp if s.num_steps_per_rollout > 1 else None)
                     self.store.mark_consumed([t.id for t in batch.trajectories], self.state.step + 1, self.job_id)
                     self.state.step += 1
                     self.state.version += 1
@@ -361,6 +395,30 @@ class TrainLoop:
         self._last_step_end = now
         self.on_step(self.state, {k: v for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)})
         return metrics
+
+    def _train(self, samples: list[TrainSample], old_lp: list[list[float]] | None) -> dict[str, float]:
+        """``num_steps_per_rollout`` optimizer steps over consecutive mini-batches of ``samples``, each against
+        ``old_lp`` (None: one step, whose old policy is the current one); metrics averaged over the steps."""
+        import torch
+
+        assert self.trainer is not None
+        n = self.settings.num_steps_per_rollout
+        size = len(samples) // n
+        per_step = []
+        for i in range(n):
+            part = samples[i * size:(i + 1) * size]
+            old = None if old_lp is None else [torch.tensor(o, dtype=torch.float32) for o in old_lp[i * size:(i + 1) * size]]
+            per_step.append(dict(self.trainer.train_step(part, old_logprobs=old, bump_version=False)))
+        merged = {k: statistics.fmean(m[k] for m in per_step) for k in per_step[0]
+                  if all(isinstance(m.get(k), int | float) for m in per_step)}
+        merged.update({k: v for k, v in per_step[-1].items() if k in ("lr", "step", "policy_version")})
+        for k in ("ratio_max", "tis_weight_max"):
+            if k in merged:
+                merged[k] = max(m[k] for m in per_step)
+        if "ratio_min" in merged:
+            merged["ratio_min"] = min(m["ratio_min"] for m in per_step)
+        merged["optimizer_steps"] = float(n)
+        return merged
 
     def checkpoint(self) -> Checkpoint:
         assert self.trainer is not None
@@ -396,10 +454,17 @@ class TrainLoop:
         return stats
 
 
-def _is_trainer_failure(e: BaseException) -> bool:
-    """A dead or crashed rank (Ray's actor errors), as opposed to a bug in the loop or bad data."""
+def _is_trainer_failure(e: BaseException, alive: Callable[[], bool] | None = None) -> bool:
+    """A rank that died (killed, OOM, crashed), as opposed to an error raised inside a live rank (a bad
+    setting, a bug, bad data), which a restart would only repeat. An exception inside a rank arrives as
+    ``RayTaskError``; when a peer died mid-collective the survivors raise one too, so it counts as a death
+    only if some rank no longer answers (``alive``)."""
     try:
         import ray.exceptions as rex
     except ImportError:  # pragma: no cover - ray is a dependency
         return False
-    return isinstance(e, rex.RayActorError | rex.ActorDiedError | rex.RayTaskError | rex.WorkerCrashedError)
+    if isinstance(e, rex.RayActorError | rex.ActorDiedError | rex.WorkerCrashedError):
+        return True
+    if isinstance(e, rex.RayTaskError):
+        return alive is not None and not alive()
+    return False

@@ -18,6 +18,8 @@ from pydantic import BaseModel, Field, model_validator
 LossType = Literal["grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "sft"]
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 Aggregation = Literal["token", "sequence"]
+ISMode = Literal["truncate", "mask"]
+ISLevel = Literal["token", "sequence", "geometric"]
 
 
 class LossConfig(BaseModel):
@@ -30,7 +32,12 @@ class LossConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0, description="coefficient of the KL-to-reference loss term")
     kl_type: KLType = "low_var_kl"
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus (subtracted from the loss)")
-    use_tis: bool = Field(False, description="truncated importance sampling for train/inference mismatch")
+    use_tis: bool = Field(False, description="importance-weight the loss by pi_old / pi_rollout (the recorded "
+                          "rollout log-probs): corrects stale (asynchronous) samples and train/inference mismatch")
+    tis_mode: ISMode = Field("truncate", description="truncate: clamp the weight to [tis_clip_low, tis_clip] (TIS); "
+                             "mask: weight 0 outside that range (MIS)")
+    tis_level: ISLevel = Field("token", description="token: one weight per token; sequence: the product of a "
+                               "sample's token ratios; geometric: their geometric mean")
     tis_clip: float = Field(2.0, gt=0, description="upper bound of the TIS weight")
     tis_clip_low: float = Field(0.0, ge=0, description="lower bound of the TIS weight")
     aggregation: Aggregation = Field("token", description="token: mean over all masked tokens of the "
@@ -84,6 +91,19 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: KLTy
         return 0.5 * log_ratio.square()
     neg = -log_ratio
     return (neg.exp() - neg - 1.0).clamp(-10.0, 10.0)
+
+
+def importance_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, sample_lens: Sequence[int],
+                     level: ISLevel) -> torch.Tensor:
+    """pi_old / pi_rollout per token: the token's own ratio, or its sample's product (sequence) or
+    geometric mean (geometric) of masked-token ratios broadcast to every token of the sample."""
+    if level == "token":
+        return log_ratio.exp()
+    lens = torch.tensor(list(sample_lens), dtype=torch.long, device=log_ratio.device)
+    sums = torch.stack([p.sum() for p in (log_ratio * mask).split(list(sample_lens))])
+    if level == "geometric":
+        sums = sums / torch.stack([p.sum() for p in mask.split(list(sample_lens))]).clamp(min=1.0)
+    return sums.exp().repeat_interleave(lens)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -161,10 +181,14 @@ def policy_loss(
 
     tis = torch.ones_like(logprobs)
     if cfg.use_tis:
-        raw = (old - rollout).exp()
-        tis = raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
+        raw = importance_ratio(old - rollout, mask, sample_lens, cfg.tis_level)
+        outside = (raw > cfg.tis_clip) | (raw < cfg.tis_clip_low)
+        if cfg.tis_mode == "truncate":
+            tis = raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
+        else:
+            tis = torch.where(outside, torch.zeros_like(raw), raw)
         per_token = per_token * tis
-        tis_clipped = (raw > cfg.tis_clip) | (raw < cfg.tis_clip_low)
+        tis_clipped = outside
     else:
         tis_clipped = torch.zeros_like(on)
 

@@ -1,0 +1,37 @@
+"""Job specs ask only for what the trainer does (issue 19): what is not implemented is a clear error at
+submit, and the defaults that matter (off-policy correction for asynchronous jobs) are stated."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from slime_server.jobs.spec import JobSpec
+
+
+def test_ppo_without_a_critic_is_refused_at_submit() -> None:
+    with pytest.raises(pydantic.ValidationError, match="needs a critic"):
+        JobSpec(algorithm="ppo", loop={"n_samples_per_prompt": 2})
+
+
+def test_kl_reward_shaping_only_where_the_estimator_uses_it() -> None:
+    with pytest.raises(pydantic.ValidationError, match="use loss.kl_coef"):
+        JobSpec(algorithm="grpo", loop={"n_samples_per_prompt": 2, "advantage": {"kl_coef": 0.1}})
+    spec = JobSpec(algorithm="reinforce_plus_plus", loop={"advantage": {"kl_coef": 0.1}})
+    assert spec.needs_reference()
+
+
+def test_off_policy_correction_is_on_for_asynchronous_jobs_only() -> None:
+    assert JobSpec().loss_config()["use_tis"] is True
+    assert JobSpec(loop={"sync": True}).loss_config()["use_tis"] is False
+    assert JobSpec(loss={"use_tis": False}).loss_config()["use_tis"] is False  # an explicit choice wins
+    assert JobSpec(loss={"tis_mode": "mask", "tis_level": "geometric"}).loss_config()["tis_mode"] == "mask"
+    with pytest.raises(pydantic.ValidationError):
+        JobSpec(loss={"tis_level": "per-word"})
+
+
+def test_a_kl_loss_keeps_a_reference_model() -> None:
+    assert not JobSpec().needs_reference()
+    assert JobSpec(loss={"kl_coef": 0.001}).needs_reference()
+    with pytest.raises(pydantic.ValidationError):
+        JobSpec(loss={"kl_type": "k9"})

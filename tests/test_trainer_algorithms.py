@@ -1,0 +1,115 @@
+"""Issue 19 in the real Megatron-core ranks (world size 1, gloo, CPU, the tiny Qwen3 model):
+
+- KL to a frozen reference: 0 on the first step (the policy is the reference), then growing; a large
+  ``kl_coef`` keeps the policy's log-probs nearer the reference than the same run without it;
+- several optimizer steps per batch against log-probs recomputed once: the ratio is exactly 1 on the
+  first mini-batch and moves on the next, where the PPO clip then acts;
+- off-policy correction: with deliberately stale rollout log-probs the importance weights differ
+  from 1 (and are clipped), with fresh ones (the trainer's own) they are 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._trainer_helpers import make_batch
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def make_rank(model_path: Path, *, lr: float = 1e-3, reference: bool = False, **loss: object):
+    from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
+    from slime_server.trainer.losses import LossConfig
+    from slime_server.trainer.optimizer import OptimizerSettings
+    from slime_server.trainer.train_step import TrainStepSettings
+    from slime_server.utils.net import find_free_port
+
+    rank = TrainerRank(TrainerRankSettings(
+        hf_path=str(model_path), seed=3, torch_threads=2, reference=reference,
+        optimizer=OptimizerSettings(lr=lr, clip_grad=1.0),
+        train=TrainStepSettings(loss=LossConfig(**loss))), RendezvousInfo(rank=0, world_size=1,
+                                                                         master_port=find_free_port()))
+    rank.setup()
+    return rank
+
+
+@pytest.fixture
+def fresh_world() -> Iterator[None]:
+    from slime_server.trainer.parallel import destroy_parallel
+
+    yield
+    destroy_parallel()
+
+
+def batch(model_path: Path, n: int = 4, seed: int = 0) -> list:
+    from transformers import AutoConfig
+
+    return make_batch(AutoConfig.from_pretrained(model_path).vocab_size, n=n, seed=seed)
+
+
+def mean_abs_diff(a: list[list[float]], b: list[list[float]], samples: list) -> float:
+    diffs = [abs(x - y) for s, xs, ys in zip(samples, a, b, strict=True)
+             for x, y, m in zip(xs, ys, s.loss_mask, strict=True) if m]
+    return sum(diffs) / len(diffs)
+
+
+def test_kl_is_zero_on_the_first_step_then_grows(tiny_model_path: Path, fresh_world: None) -> None:
+    samples = batch(tiny_model_path)
+    rank = make_rank(tiny_model_path, reference=True, loss_type="grpo", kl_coef=0.01, kl_type="low_var_kl")
+    kls = [rank.train_step(samples)["kl"] for _ in range(4)]
+    assert kls[0] == 0.0  # the policy is the reference before its first update
+    assert 0.0 < kls[1] < kls[2] < kls[3], kls
+    ref = rank.compute_logprobs(samples, reference=True)
+    assert ref == make_rank_logprobs_of_base(tiny_model_path, samples)  # the reference never moved
+
+
+def make_rank_logprobs_of_base(model_path: Path, samples: list) -> list[list[float]]:
+    from slime_server.trainer.parallel import destroy_parallel
+
+    destroy_parallel()
+    return make_rank(model_path).compute_logprobs(samples)
+
+
+def test_a_large_kl_coef_keeps_the_policy_near_the_reference(tiny_model_path: Path, fresh_world: None) -> None:
+    from slime_server.trainer.parallel import destroy_parallel
+
+    samples = batch(tiny_model_path, seed=1)
+    drift = {}
+    for coef in (0.0, 5.0):
+        rank = make_rank(tiny_model_path, reference=True, lr=3e-3, loss_type="grpo", kl_coef=coef, kl_type="k2")
+        for _ in range(6):
+            rank.train_step(samples)
+        drift[coef] = mean_abs_diff(rank.compute_logprobs(samples), rank.compute_logprobs(samples, reference=True),
+                                    samples)
+        destroy_parallel()
+    assert 0.0 < drift[5.0] < drift[0.0], drift
+
+
+def test_recomputed_old_logprobs_make_the_ratio_and_clip_act(tiny_model_path: Path, fresh_world: None) -> None:
+    samples = batch(tiny_model_path, n=8, seed=2)
+    rank = make_rank(tiny_model_path, lr=5e-3, loss_type="grpo", eps_clip=0.02)
+    old = [torch.tensor(o) for o in rank.compute_logprobs(samples)]
+    first = rank.train_step(samples[:4], old_logprobs=old[:4])
+    second = rank.train_step(samples[4:], old_logprobs=old[4:])
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["clip_fraction"] == 0.0
+    assert second["ratio_max"] > 1.0 + 1e-4 or second["ratio_min"] < 1.0 - 1e-4, second
+    assert second["clip_fraction"] > 0.0  # the step on the first half moved the policy past the clip range
+
+
+def test_importance_weights_are_one_when_fresh_and_act_when_stale(tiny_model_path: Path, fresh_world: None) -> None:
+    rank = make_rank(tiny_model_path, lr=1e-12, loss_type="grpo", use_tis=True, tis_clip=1.5)
+    samples = batch(tiny_model_path, n=4, seed=3)
+    own = rank.compute_logprobs(samples)  # what the engine would have recorded for the current policy
+    fresh = [s.model_copy(update={"rollout_logprobs": lp}) for s, lp in zip(samples, own, strict=True)]
+    m = rank.train_step(fresh)
+    assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m["tis_clip_fraction"] == 0.0
+    stale = [s.model_copy(update={"rollout_logprobs": [x - 0.7 * (i % 2) for i, x in enumerate(lp)]})
+             for s, lp in zip(samples, own, strict=True)]  # every other token 0.7 nats likelier now: w = e^0.7
+    m = rank.train_step(stale)
+    odd = sum(m_ for s in samples for i, m_ in enumerate(s.loss_mask) if i % 2) / sum(sum(s.loss_mask) for s in samples)
+    assert m["tis_clip_fraction"] == pytest.approx(odd, abs=1e-6)  # e^0.7 = 2.01 > 1.5: those tokens are clipped
+    assert m["tis_weight_mean"] == pytest.approx(1.5 * odd + 1.0 * (1 - odd), abs=1e-4)
