@@ -115,12 +115,12 @@ def test_generate_models_match_api_types() -> None:
 
 
 def _gateway_stub(context_length: int = 4096) -> Any:
-    """What ``openai_chat.sampling_params`` reads of a gateway (and nothing else)."""
+    """What ``turn.sampling_params`` reads of a gateway (and nothing else)."""
     return types.SimpleNamespace(renderer=types.SimpleNamespace(context_length=context_length),
                                  settings=types.SimpleNamespace(max_prompt_tokens=None, max_output_tokens=None))
 
 
-# Every OpenAI-side argument of openai_chat.sampling_params, with non-default values (a new argument must
+# Every OpenAI-side argument of turn.sampling_params, with non-default values (a new argument must
 # be added here: the test refuses to run without it, so every key the function can emit is covered).
 _OPENAI_CASES: list[dict[str, Any]] = [
     dict(max_tokens=None, temperature=None, top_p=None, top_k=None, min_p=None, stop=None, seed=None, n=1,
@@ -133,7 +133,7 @@ _OPENAI_CASES: list[dict[str, Any]] = [
 
 
 def _openai_params(case: dict[str, Any]) -> dict[str, Any]:
-    from slime_server.api.openai_chat import sampling_params
+    from slime_server.api.turn import sampling_params
 
     accepted = set(inspect.signature(sampling_params).parameters) - {"gw", "prompt_len"}
     unknown = accepted - set(_OPENAI_CASES[1])
