@@ -54,6 +54,10 @@ class EngineSettings(_Section):
         default_factory=dict, description='custom Ray resources per engine actor: placement on the nodes started '
         'with them (`ray start --resources \'{"engine_node": 8}\'` and {"engine_node": 1} here)')
     torch_threads: int = Field(1, ge=1, description="torch threads inside each CPU engine process")
+    cpu_forward: Literal["lean", "hf"] = Field("lean", description="CPU engine: its own forward over the model's "
+                                               "parameters (llama/mistral/qwen2/qwen3), or HF's model() (reference)")
+    prefix_cache_mb: float = Field(512.0, ge=0, description="CPU engine: MiB of finished generations' K/V kept for "
+                                   "prompts that extend them (a session's next turn); 0 turns it off")
     startup_timeout_s: float = Field(300.0, gt=0)
     health_interval_s: float = Field(5.0, gt=0, description="how often an actor probes its engine")
     sglang_args: dict[str, Any] = Field(

@@ -178,7 +178,7 @@ class Deployment:
             kind=engine.kind, model_path=self.model_path, host=engine.host, api_key=self.engine_api_key,
             insecure=engine.insecure,
             max_running_requests=engine.max_running_requests, torch_threads=engine.torch_threads,
-            sglang_args=engine.sglang_args, startup_timeout_s=engine.startup_timeout_s,
+            cpu_forward=engine.cpu_forward, prefix_cache_mb=engine.prefix_cache_mb, sglang_args=engine.sglang_args, startup_timeout_s=engine.startup_timeout_s,
             health_interval_s=engine.health_interval_s, log_path=log_path_for(self.log_dir, name),
         )
 

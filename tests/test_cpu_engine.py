@@ -193,3 +193,66 @@ def test_python_load_api_switches_atomically(engine, tiny_model_path) -> None:
     assert engine.weight_version == "neg"
     assert engine.generate(PROMPT, sp)[0].output_ids == hf_greedy(ref, PROMPT, 10)
     assert done.wait(30)
+
+
+def test_lean_forward_answers_as_hfs_forward_in_ragged_batches(tiny_model_path) -> None:
+    """The engine's own forward (the default) and HF's ``model()`` give the same greedy ids and log-probs
+    (1e-5) for sequences of different lengths decoded in one batch, before and after a weight update."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engines = {kind: CPUEngine(EngineConfig(model_path=str(tiny_model_path), max_running_requests=8, forward=kind))
+               for kind in ("lean", "hf")}
+    assert engines["lean"].lean is not None and engines["hf"].lean is None
+    prompts = [PROMPT, list(range(40, 51)), list(range(100, 129)), [7]]
+    sp = SamplingParams(temperature=0, max_new_tokens=KV_INITIAL_HEADROOM + 8, ignore_eos=True)
+
+    def run(engine: CPUEngine) -> list:
+        with ThreadPoolExecutor(len(prompts)) as pool:  # submitted together: decoded as one batch
+            return [o for outs in pool.map(lambda p: engine.generate(p, sp, return_logprob=True), prompts)
+                    for o in outs]
+
+    try:
+        for _ in range(2):
+            got = {kind: run(e) for kind, e in engines.items()}
+            assert engines["lean"].stats["decode_steps"] < sum(len(o.output_ids) for o in got["lean"])  # batched
+            for a, b in zip(got["lean"], got["hf"], strict=True):
+                assert a.output_ids == b.output_ids
+                torch.testing.assert_close(torch.tensor([e[0] for e in a.meta_info.output_token_logprobs]),
+                                           torch.tensor([e[0] for e in b.meta_info.output_token_logprobs]),
+                                           atol=1e-5, rtol=0)
+            update = [(n, p.detach() * 0.9) for n, p in hf_model(tiny_model_path).state_dict().items()]
+            for e in engines.values():  # the fused weights of the lean forward are the parameters' storage
+                e.load_weights(update, "scaled")
+    finally:
+        for e in engines.values():
+            e.shutdown()
+
+
+def test_a_prompt_that_extends_a_finished_one_reuses_its_kv(tiny_model_path) -> None:
+    """The next turn of a conversation (the last prompt + answer + a new message) computes only its new
+    tokens (SGLang's ``cached_tokens`` says how many were reused) and answers exactly as without reuse;
+    a weight update empties the cache."""
+    with_cache = CPUEngine(EngineConfig(model_path=str(tiny_model_path)))
+    without = CPUEngine(EngineConfig(model_path=str(tiny_model_path), prefix_cache_mb=0))
+    sp = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    try:
+        first = list(range(40, 80))
+        (turn1,) = with_cache.generate(first, sp, return_logprob=True)
+        assert turn1.meta_info.cached_tokens == 0
+        second = first + turn1.output_ids + [7, 8, 9, 10]
+        (a,) = with_cache.generate(second, sp, return_logprob=True)
+        (b,) = without.generate(second, sp, return_logprob=True)
+        assert a.meta_info.cached_tokens == len(first) + len(turn1.output_ids) - 1  # all but the unfed last token
+        assert b.meta_info.cached_tokens == 0
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor([e[0] for e in a.meta_info.output_token_logprobs]),
+                                   torch.tensor([e[0] for e in b.meta_info.output_token_logprobs]), atol=1e-5, rtol=0)
+        update = [(n, p.detach().clone()) for n, p in hf_model(tiny_model_path).state_dict().items()]
+        with_cache.load_weights(update, "v2")
+        (c,) = with_cache.generate(second, sp)
+        assert c.meta_info.cached_tokens == 0  # K/V of the old weights is gone
+        (d,) = with_cache.generate(second + c.output_ids[:3], sp)
+        assert d.meta_info.cached_tokens > len(second)  # and the cache fills again
+    finally:
+        with_cache.shutdown()
+        without.shutdown()

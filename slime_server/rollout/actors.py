@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -36,6 +36,8 @@ class EngineSpec(BaseModel):
     insecure: bool = Field(False, description="allow a non-loopback host with no key (--insecure-engines)")
     max_running_requests: int = 32
     torch_threads: int = 1
+    cpu_forward: Literal["lean", "hf"] = "lean"
+    prefix_cache_mb: float = 512.0
     sglang_args: dict[str, Any] = Field(default_factory=dict)
     startup_timeout_s: float = 300.0
     health_interval_s: float = 5.0
@@ -71,6 +73,7 @@ def engine_command(spec: EngineSpec, port: int) -> list[str]:
         sys.executable, "-m", "slime_server.rollout.engine_server",
         "--model-path", spec.model_path, "--host", spec.host, "--port", str(port),
         "--max-running-requests", str(spec.max_running_requests), "--num-threads", str(spec.torch_threads),
+        "--forward", spec.cpu_forward, "--prefix-cache-mb", str(spec.prefix_cache_mb),
         *(["--insecure-engines"] if spec.insecure else []),
     ]
 

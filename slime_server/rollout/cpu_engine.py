@@ -40,11 +40,15 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, Field
 
-from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM, Sequence, ensure_room
+from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM, Sequence
+from slime_server.rollout.hf_forward import hf_decode, hf_prefill
+from slime_server.rollout.lean_forward import LeanForward
+from slime_server.rollout.prefix_cache import PrefixCache
 from slime_server.rollout.protocol import (
     FinishReason,
     GenerateOutput,
@@ -68,6 +72,13 @@ class EngineConfig(BaseModel):
     weight_version: str = "0"
     seed: int = 0
     num_threads: int = Field(1, ge=1)
+    forward: Literal["lean", "hf"] = Field("lean", description="lean: the engine's own forward over the model's "
+                                           "parameters (llama/mistral/qwen2/qwen3; others use HF's); hf: HF's "
+                                           "model() with a cache rebuilt per step (the reference)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights, activations and K/V; bfloat16 "
+                                                  "halves the memory read per token (log-probs are still fp32)")
+    prefix_cache_mb: float = Field(512.0, ge=0, description="MiB of K/V of finished generations kept for prompts "
+                                   "that start with them (lean forward only; 0: off); cleared on weight updates")
 
 
 class BadRequest(ValueError):
@@ -87,7 +98,7 @@ class CPUEngine:
 
         self.config = config
         torch.set_num_threads(config.num_threads)
-        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype))
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         mc = self.model.config
@@ -97,6 +108,9 @@ class CPUEngine:
         self.eos_ids: set[int] = self._eos_ids()
         self.weight_version: str = config.weight_version
         self._params: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self.lean = LeanForward(self.model) if config.forward == "lean" and LeanForward.supports(self.model) else None
+        budget = int(config.prefix_cache_mb * 2**20 / self.lean.kv_bytes_per_token) if self.lean else 0
+        self.prefix_cache = PrefixCache(budget) if budget > 0 else None
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._waiting: deque[Sequence] = deque()
@@ -247,7 +261,10 @@ class CPUEngine:
     def flush_cache(self) -> bool:
         """SGLang's rule: flushing needs an idle engine (waiting requests are ignored while paused)."""
         with self._cv:
-            return not self._running and (self._paused or not self._waiting)
+            idle = not self._running and (self._paused or not self._waiting)
+            if idle and self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            return idle
 
     def resume(self) -> None:
         with self._cv:
@@ -318,6 +335,8 @@ class CPUEngine:
         commit = self._commit
         assert commit is not None
         try:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()  # K/V of the old weights
             with torch.no_grad():
                 for name, t in commit.named:
                     self._params[name].copy_(t)
@@ -391,25 +410,21 @@ class CPUEngine:
         return admitted
 
     def _prefill(self, seq: Sequence) -> None:
-        from transformers import DynamicCache
-
         resumed = bool(seq.output_ids)  # retracted by a pause: recompute its KV, sample nothing here
-        ids = torch.tensor([seq.prompt_ids + seq.output_ids[:-1]])
+        ids = seq.prompt_ids + seq.output_ids[:-1]
         want_input = seq.return_logprob and seq.logprob_start_len >= 0 and not resumed
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
-                         logits_to_keep=0 if want_input else 1)
-        logits = out.logits[0].float()
-        n_prompt = ids.shape[1]
-        cap = min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM)  # grows by doubling (ensure_room)
-        seq.kv = []
-        for layer in cache.layers:
-            k, v = layer.keys[0], layer.values[0]  # [heads, n_prompt, head_dim]
-            kb = k.new_empty((k.shape[0], cap, k.shape[2]))
-            vb = v.new_empty((v.shape[0], cap, v.shape[2]))
-            kb[:, :n_prompt] = k
-            vb[:, :n_prompt] = v
-            seq.kv.append((kb, vb))
+        n_prompt = len(ids)
+        cap = max(n_prompt, min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM))  # grows by doubling
+        if self.lean is not None:
+            seq.kv = self.lean.new_kv(cap)
+            reused, start = self.prefix_cache.match(ids) if self.prefix_cache and not want_input else (None, 0)
+            for (kb, vb), (ck, cv) in zip(seq.kv, reused or [], strict=False):
+                kb[:, :start], vb[:, :start] = ck[:, :start], cv[:, :start]
+            seq.cached_tokens = start
+            logits = self.lean.prefill(ids, seq.kv, all_logits=want_input, start=start).float()
+        else:
+            seq.kv, logits = hf_prefill(self.model, ids, cap, want_input)
+            logits = logits.float()
         seq.kv_len = n_prompt
         self.stats["prefill_tokens"] += n_prompt
         self.last_progress = time.monotonic()
@@ -437,39 +452,9 @@ class CPUEngine:
         seq.input_top = tops if seq.top_logprobs_num else None
 
     def _decode(self, batch: list[Sequence]) -> None:
-        from transformers import DynamicCache
-
-        n = len(batch)
-        width = max(s.kv_len for s in batch)
-        layers = []
-        for li in range(len(batch[0].kv)):
-            k0 = batch[0].kv[li][0]
-            kk = k0.new_zeros((n, k0.shape[0], width, k0.shape[2]))
-            vv = torch.zeros_like(kk)
-            for b, s in enumerate(batch):
-                kk[b, :, width - s.kv_len:] = s.kv[li][0][:, :s.kv_len]
-                vv[b, :, width - s.kv_len:] = s.kv[li][1][:, :s.kv_len]
-            layers.append((kk, vv))
-        mask = torch.zeros((n, width + 1), dtype=torch.long)
-        for b, s in enumerate(batch):
-            mask[b, width - s.kv_len:] = 1
-        ids = torch.tensor([[s.output_ids[-1]] for s in batch])
-        pos = torch.tensor([[s.kv_len] for s in batch])
-        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True)
-        for s in batch:
-            ensure_room(s)
-        for li, layer in enumerate(cache.layers):
-            newk, newv = layer.keys[:, :, -1], layer.values[:, :, -1]
-            for b, s in enumerate(batch):
-                s.kv[li][0][:, s.kv_len] = newk[b]
-                s.kv[li][1][:, s.kv_len] = newv[b]
-        for s in batch:
-            s.kv_len += 1
+        logits = (self.lean.decode(batch) if self.lean is not None else hf_decode(self.model, batch)).float()
         self.stats["decode_steps"] += 1
         self.last_progress = time.monotonic()
-        logits = out.logits[:, -1].float()
         for b, s in enumerate(batch):
             self._sample_and_append(s, logits[b])
 
@@ -503,6 +488,8 @@ class CPUEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish = reason
         seq.finished_at = time.perf_counter()
+        if self.prefix_cache is not None and reason.type != "abort" and seq.kv:  # scheduler thread only
+            self.prefix_cache.put((seq.prompt_ids + seq.output_ids)[:seq.kv_len], seq.kv)
         seq.kv = []
         self.stats["finished"] += 1
         if seq.on_update is not None:
@@ -531,7 +518,7 @@ class CPUEngine:
             text = text.rstrip("\ufffd")
         meta = MetaInfo(
             id=seq.rid, finish_reason=f, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(ids),
-            cached_tokens=0, weight_version=spans[-1].version if spans else self.weight_version,
+            cached_tokens=seq.cached_tokens, weight_version=spans[-1].version if spans else self.weight_version,
             weight_versions=spans,
             e2e_latency=None if seq.finished_at is None else seq.finished_at - seq.created,  # final only
         )

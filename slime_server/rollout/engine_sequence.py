@@ -14,6 +14,7 @@ import torch
 
 from slime_server.rollout.protocol import FinishReason, LogprobEntry, SamplingParams
 
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [kv heads, capacity, head dim]
 KV_INITIAL_HEADROOM = 256  # output tokens' K/V space allocated at prefill; long generations grow it
 
 
@@ -41,8 +42,9 @@ class Sequence:
     created: float = field(default_factory=time.perf_counter)
     finished_at: float | None = None
     abort_requested: bool = False
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kv: KV = field(default_factory=list)
     kv_len: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (SGLang's cached_tokens)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -288,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-version", default="0")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1)
+    ap.add_argument("--prefix-cache-mb", type=float, default=512.0,
+                    help="MiB of finished generations' K/V kept for prompts that extend them (0: off)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16 halves the memory read per token where the CPU has native bf16")
+    ap.add_argument("--forward", choices=["lean", "hf"], default="lean",
+                    help="lean: the engine's own forward (llama/mistral/qwen2/qwen3); hf: HF's model() (reference)")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--health-check-timeout", type=float, default=HEALTH_GENERATE_TIMEOUT_S,
                     help="/health_generate waits this long for scheduler progress (SGLang: 20 s)")
@@ -316,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
                     "weights or abort its requests", args.host, args.port)
     config = EngineConfig(model_path=args.model_path, max_running_requests=args.max_running_requests,
                           max_total_tokens=args.max_total_tokens, context_length=args.context_length,
-                          weight_version=args.weight_version, seed=args.seed, num_threads=args.num_threads)
+                          weight_version=args.weight_version, seed=args.seed, num_threads=args.num_threads,
+                          forward=args.forward, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype)
     engine = CPUEngine(config)
 
     @asynccontextmanager

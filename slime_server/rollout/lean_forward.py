@@ -1,0 +1,215 @@
+"""A lean forward pass for the CPU engine over a Llama-family HF model's own parameters.
+
+Why: on a CPU, HF's ``model()`` spends most of a decode step outside the matmuls (module calls,
+cache objects, masks built per step), and a batch of ragged sequences needed its caches copied into
+one padded ``DynamicCache`` every step. This forward does per layer only what the math needs: one
+fused QKV matmul, one fused gate/up matmul, RoPE, and attention of each sequence over its own
+preallocated K/V buffer (``engine_sequence.Sequence.kv``: nothing is copied between steps).
+
+The fused weights are the model's storage: the HF parameters (``q_proj.weight`` ...) become views
+into them, so a weight update copied into the parameters (``CPUEngine.load_weights``) updates the
+fused matmuls too. Architectures: llama, mistral (no sliding window), qwen2, qwen3; anything else
+keeps the HF path (``LeanForward.supports``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - torch's own convention
+
+from slime_server.rollout.engine_sequence import Sequence
+
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+@dataclass
+class _Layer:
+    qkv: torch.Tensor  # [(nh + 2 * nkv) * hd, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor  # [2 * I, H]
+    down: torch.Tensor
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+def _fuse(params: Seq[torch.nn.Parameter]) -> torch.Tensor:
+    """One tensor holding ``params`` stacked on dim 0; each parameter's data becomes a view into it."""
+    fused = torch.cat([p.data for p in params], dim=0)
+    start = 0
+    for p in params:
+        p.data = fused[start:start + p.shape[0]]
+        start += p.shape[0]
+    return fused
+
+
+class LeanForward:
+    """``prefill`` (one sequence, its prompt) and ``decode`` (a batch, one token each) -> logits."""
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        cfg = model.config
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        return (getattr(cfg, "model_type", None) in SUPPORTED and window is None
+                and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "mlp_bias", False))
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        if not self.supports(model):
+            raise ValueError(f"no lean forward for {model.config.model_type!r}")
+        cfg = model.config
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.rotary = inner.rotary_emb
+        self.eps = float(cfg.rms_norm_eps)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.layers: list[_Layer] = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            projs = [a.q_proj, a.k_proj, a.v_proj]
+            bias = None
+            if a.q_proj.bias is not None:
+                bias = torch.cat([p.bias.data for p in projs])
+                start = 0
+                for p in projs:
+                    p.bias.data = bias[start:start + p.bias.shape[0]]
+                    start += p.bias.shape[0]
+            self.layers.append(_Layer(
+                qkv=_fuse([p.weight for p in projs]), qkv_bias=bias, o=a.o_proj.weight,
+                gate_up=_fuse([m.gate_proj.weight, m.up_proj.weight]), down=m.down_proj.weight,
+                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                q_norm=getattr(a, "q_norm", None) and a.q_norm.weight,
+                k_norm=getattr(a, "k_norm", None) and a.k_norm.weight))
+        self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
+        self._cap = 0
+        self.group = self.n_heads // self.n_kv
+        self.scale = self.head_dim ** -0.5
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+
+    # ------------------------------------------------------------------ pieces
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """HF's RMSNorm: statistics in fp32 whatever the weights' dtype (one fused op in fp32)."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N, H] -> q [N, nh, hd], k and v [N, nkv, hd], normed (qwen3) and rotated."""
+        n = h.shape[0]
+        heads = F.linear(h, layer.qkv, layer.qkv_bias).view(n, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qk, v = heads[:, : self.n_heads + self.n_kv], heads[:, self.n_heads + self.n_kv:]
+        if layer.q_norm is not None:
+            qk = torch.cat((self._norm(qk[:, : self.n_heads], layer.q_norm),
+                            self._norm(qk[:, self.n_heads:], layer.k_norm)), dim=1)
+        qk = self._rope(qk, cos[:, None, :], sin[:, None, :])  # q and k heads rotated in one go
+        return qk[:, : self.n_heads], qk[:, self.n_heads:], v
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down)
+
+    def _positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(self.embed[:1], positions[None, :])  # HF's RoPE (and its scaling), [1, N, hd]
+        return cos[0], sin[0]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(x, self.final_norm), self.lm_head)
+
+    # ------------------------------------------------------------------ passes
+    def prefill(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], all_logits: bool = False,
+                start: int = 0) -> torch.Tensor:
+        """Run one sequence's ``ids[start:]``, writing their K/V into ``kv`` (per layer [nkv, cap, hd], cap >=
+        len(ids)), whose first ``start`` positions already hold ``ids[:start]``'s (a reused prefix); returns
+        the logits of every computed position, or of the last only."""
+        n, new = len(ids), len(ids) - start
+        x = F.embedding(torch.tensor(ids[start:]), self.embed)
+        cos, sin = self._positions(torch.arange(start, n))
+        mask = None if start == 0 else torch.arange(n)[None, :] <= torch.arange(start, n)[:, None]  # [new, n]
+        for layer, (kb, vb) in zip(self.layers, kv, strict=True):
+            q, k, v = self._qkv(layer, self._norm(x, layer.in_norm), cos, sin)
+            kb[:, start:n] = k.transpose(0, 1)
+            vb[:, start:n] = v.transpose(0, 1)
+            att = F.scaled_dot_product_attention(q.transpose(0, 1), kb[:, :n], vb[:, :n], attn_mask=mask,
+                                                 is_causal=mask is None, enable_gqa=True)  # [nh, new, hd]
+            x = x + F.linear(att.transpose(0, 1).reshape(new, self.q_size), layer.o)
+            x = self._mlp(layer, x)
+        return self._logits(x if all_logits else x[-1:])
+
+    def decode(self, batch: list[Sequence]) -> torch.Tensor:
+        """One token for each sequence (its last output id at position ``kv_len``): logits [B, V]. Writes the
+        token's K/V into the batch's buffer and advances every ``kv_len``.
+
+        The running batch's K/V live in one padded buffer per layer, [B, nkv, cap, hd], row b being sequence
+        b's (``seq.kv`` are views of its row). Attention is then three batched ops per layer whatever B is.
+        The buffer is rebuilt (each sequence's K/V copied in once) only when the batch's members change or a
+        sequence outgrows ``cap`` (which doubles): amortised over the steps in between, not paid per step."""
+        n = len(batch)
+        pos = torch.tensor([s.kv_len for s in batch])
+        if not self._holds(batch) or int(pos.max()) >= self._cap:
+            self._rebuild(batch, int(pos.max()) + 1)
+        rows = torch.arange(n)
+        length = int(pos.max()) + 1
+        hidden = torch.arange(length)[None, :] > pos[:, None]  # [B, L]: positions a sequence does not have
+        bias = torch.zeros((n, 1, 1, length), dtype=self.embed.dtype).masked_fill_(hidden[:, None, None, :],
+                                                                                 float("-inf"))
+        x = F.embedding(torch.tensor([s.output_ids[-1] for s in batch]), self.embed)
+        cos, sin = self._positions(pos)
+        for layer, (kp, vp) in zip(self.layers, self._pool, strict=True):
+            q, k, v = self._qkv(layer, self._norm(x, layer.in_norm), cos, sin)
+            kp[rows, :, pos] = k
+            vp[rows, :, pos] = v
+            q = q.view(n, self.n_kv, self.group, self.head_dim)  # query heads grouped by their K/V head
+            scores = torch.matmul(q, kp[:, :, :length].transpose(-1, -2)).mul_(self.scale).add_(bias)  # [B,nkv,g,L]
+            att = torch.matmul(torch.softmax(scores, dim=-1), vp[:, :, :length]).reshape(n, self.q_size)
+            x = self._mlp(layer, x + F.linear(att, layer.o))
+        for s in batch:
+            s.kv_len += 1
+        return self._logits(x)
+
+    def _rebuild(self, batch: list[Sequence], need: int) -> None:
+        """A new batch buffer holding every member's K/V so far, with room to grow (capacity doubles)."""
+        cap = max(64, 1 << (need + 8).bit_length())
+        if batch:
+            cap = min(cap, max(need + 1, max(s.reserved_tokens for s in batch)))
+        pool = [(self.embed.new_zeros((len(batch), self.n_kv, cap, self.head_dim)),
+                 self.embed.new_zeros((len(batch), self.n_kv, cap, self.head_dim))) for _ in self.layers]
+        for b, s in enumerate(batch):
+            for (kp, vp), (kb, vb) in zip(pool, s.kv, strict=True):
+                kp[b, :, : s.kv_len] = kb[:, : s.kv_len]
+                vp[b, :, : s.kv_len] = vb[:, : s.kv_len]
+            s.kv = [(kp[b], vp[b]) for kp, vp in pool]
+        self._pool, self._cap = pool, cap
+
+    def _holds(self, batch: list[Sequence]) -> bool:
+        """Whether row b of the batch buffer is sequence b's K/V, for every b (and no other row exists)."""
+        if not self._pool or self._pool[0][0].shape[0] != len(batch):
+            return False
+        rows = self._pool[0][0]
+        return all(s.kv and s.kv[0][0].data_ptr() == rows[b].data_ptr() for b, s in enumerate(batch))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * len(self.layers) * self.n_kv * self.head_dim * self.embed.element_size()
+
+    def new_kv(self, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Empty per-layer K/V buffers for one sequence."""
+        return [(self.embed.new_empty((self.n_kv, capacity, self.head_dim)),
+                 self.embed.new_empty((self.n_kv, capacity, self.head_dim))) for _ in self.layers]
