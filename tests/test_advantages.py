@@ -114,3 +114,18 @@ def test_train_sample_rejects_misaligned_input() -> None:
         TrainSample(tokens=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0], weight_versions=[-1, 0])
     with pytest.raises(pydantic.ValidationError, match="loss_mask\\[0\\]"):
         TrainSample(tokens=[1, 2], loss_mask=[1, 1], rollout_logprobs=[0.0, 0.0], weight_versions=[0, 0])
+
+
+def test_dapo_overlong_penalty_by_hand() -> None:
+    from slime_server.trainer.advantages import AdvantageConfig, compute_advantages, overlong_penalty
+
+    # max 10, cache 4: up to 6 tokens free; 8 tokens -> (6 - 8) / 4 = -0.5; 10 -> -1.0; 11 -> -1
+    assert [overlong_penalty(n, 10, 4) for n in (3, 6, 7, 8, 10, 11)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    samples = [TrainSample(tokens=list(range(2 + n)), loss_mask=[0, 0] + [1] * n, rollout_logprobs=[0.0] * (2 + n),
+                           reward=1.0, group_id="g", weight_versions=[-1, -1] + [0] * n) for n in (4, 8)]
+    out = compute_advantages(samples, AdvantageConfig(estimator="dr_grpo", overlong_max_len=10, overlong_cache_len=4))
+    # shaped rewards 1.0 and 0.5; Dr.GRPO: minus the group mean 0.75 -> +0.25 and -0.25 on the masked tokens
+    assert [a for a, m in zip(out[0].advantages, out[0].loss_mask, strict=True) if m] == [0.25] * 4
+    assert [a for a, m in zip(out[1].advantages, out[1].loss_mask, strict=True) if m] == [-0.25] * 8
+    with pytest.raises(ValueError):
+        AdvantageConfig(overlong_max_len=4, overlong_cache_len=4)

@@ -35,3 +35,11 @@ def test_a_kl_loss_keeps_a_reference_model() -> None:
     assert JobSpec(loss={"kl_coef": 0.001}).needs_reference()
     with pytest.raises(pydantic.ValidationError):
         JobSpec(loss={"kl_type": "k9"})
+
+
+def test_the_objective_is_a_choice_apart_from_the_estimator() -> None:
+    spec = JobSpec(algorithm="grpo", loop={"n_samples_per_prompt": 4,
+                                           "advantage": {"overlong_max_len": 512, "overlong_cache_len": 128}},
+                   loss={"loss_type": "cispo", "eps_clip_high": 0.28})
+    assert spec.estimator() == "grpo" and spec.loss_config()["loss_type"] == "cispo"
+    assert spec.loop_settings().advantage.overlong_max_len == 512

@@ -203,3 +203,18 @@ def test_metric_keys_are_fixed_and_config_is_validated() -> None:
         LossConfig(dual_clip_c=0.5)
     with pytest.raises(pydantic.ValidationError):
         LossConfig(loss_type="dpo")
+
+
+def test_cispo_keeps_a_gradient_on_clipped_tokens() -> None:
+    # CISPO, eps 0.2: loss_t = -sg(clip(r_t, 0.8, 1.2)) * A_t * logp_t over the masked tokens (RATIOS, ADVS above).
+    #   r=1.5 A=+1 -> w 1.2; r=0.5 A=+1 -> w 0.8; r=1.1 A=-1 -> w 1.1; r=0.7 A=-1 -> w 0.8
+    # loss = mean(-w A logp) and d loss / d logp_t = -w_t A_t / 4: -0.3, -0.2, +0.275, +0.2 (none is zero:
+    # PPO's clip would zero the first and the last)
+    lps = [math.log(r) for r in RATIOS]
+    lp, loss, m = _call(LossConfig(loss_type="cispo"), lps, ADVS, MASK, [5])
+    w = [0.0, 1.2, 0.8, 1.1, 0.8]
+    expected = sum(-wt * a * x for wt, a, x, mk in zip(w, ADVS, lps, MASK, strict=True) if mk) / 4
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    assert m["clip_fraction"].item() == pytest.approx(0.75)  # 1.5, 0.5 and 0.7 are outside [0.8, 1.2]
+    loss.backward()
+    torch.testing.assert_close(lp.grad, _t([0.0, -0.3, -0.2, 0.275, 0.2]))

@@ -80,7 +80,9 @@ class JobSpec(_Strict):
                                  "(a critic with GAE) is refused until the trainer has a value model")
     data: DataSpec = Field(default_factory=DataSpec)
     loop: LoopSettings = Field(default_factory=LoopSettings)
-    loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (eps_clip, eps_clip_high, "
+    loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (loss_type: the objective, "
+                                 "apart from the estimator `algorithm` picks, e.g. grpo advantages under 'cispo'; "
+                                 "eps_clip, eps_clip_high, "
                                  "kl_coef + kl_type: a KL term to a frozen copy of the base weights, use_tis + "
                                  "tis_mode/tis_level/tis_clip: off-policy correction, on unless loop.sync, ...)")
     optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from slime_server.trainer.types import TrainSample
 
@@ -206,12 +206,35 @@ class AdvantageConfig(BaseModel):
     eps: float = Field(1e-6, gt=0, description="GRPO std epsilon")
     gamma: float = Field(1.0, ge=0, le=1)
     kl_coef: float = Field(0.0, ge=0, description="KL reward shaping (REINFORCE++ variants)")
+    overlong_max_len: int | None = Field(None, ge=1, description="DAPO overlong reward shaping: responses longer "
+                                         "than max_len - cache_len generated tokens lose up to 1 (linearly), beyond "
+                                         "max_len exactly 1; None = off")
+    overlong_cache_len: int = Field(0, ge=0, description="the soft window of the overlong penalty (DAPO's L_cache)")
+
+    @model_validator(mode="after")
+    def _check(self) -> AdvantageConfig:
+        if self.overlong_max_len is not None and self.overlong_cache_len >= self.overlong_max_len:
+            raise ValueError("overlong_cache_len must be below overlong_max_len")
+        return self
+
+
+def overlong_penalty(length: int, max_len: int, cache_len: int) -> float:
+    """DAPO's soft overlong punishment of a response of ``length`` generated tokens."""
+    soft = max_len - cache_len
+    if length <= soft:
+        return 0.0
+    if length <= max_len:
+        return (soft - length) / cache_len
+    return -1.0
 
 
 def compute_advantages(
     samples: Sequence[TrainSample], cfg: AdvantageConfig, *, kl: Sequence[Sequence[float]] | None = None,
 ) -> list[TrainSample]:
     """Dispatch to the configured estimator (GSPO uses GRPO's group-normalised advantages)."""
+    if cfg.overlong_max_len is not None:
+        samples = [_with(s, reward=s.reward + overlong_penalty(sum(s.loss_mask), cfg.overlong_max_len,
+                                                               cfg.overlong_cache_len)) for s in samples]
     if cfg.estimator in ("grpo", "gspo"):
         return grpo_advantages(samples, eps=cfg.eps)
     if cfg.estimator == "dr_grpo":

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field, model_validator
 
-LossType = Literal["grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "sft"]
+LossType = Literal["grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "cispo", "sft"]
 KLType = Literal["k1", "k2", "k3", "low_var_kl"]
 Aggregation = Literal["token", "sequence"]
 ISMode = Literal["truncate", "mask"]
@@ -170,6 +170,14 @@ def policy_loss(
         per_token = -logprobs
         ratio = torch.ones_like(logprobs)
         clipped = dual = torch.zeros_like(on)
+    elif cfg.loss_type == "cispo":
+        # CISPO (MiniMax-M1): REINFORCE weighted by the clipped, stop-gradient IS ratio, so every token keeps a
+        # gradient (PPO's clip zeroes those outside the range): loss_t = -sg(clip(r_t)) * A_t * logp_t
+        ratio = (logprobs - old).exp()
+        weight = ratio.detach().clamp(1.0 - cfg.eps_clip, 1.0 + cfg.clip_high)
+        per_token = -weight * adv * logprobs
+        clipped = (ratio.detach() < 1.0 - cfg.eps_clip) | (ratio.detach() > 1.0 + cfg.clip_high)
+        dual = torch.zeros_like(on)
     else:
         log_ratio = logprobs - old
         if cfg.loss_type == "gspo":
