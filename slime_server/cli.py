@@ -38,6 +38,8 @@ SUBCOMMANDS: dict[str, str] = {
     "keys": "slime_server.buffer.keys_cli:KeysCommand",
     "agent": "slime_server.agents.cli:AgentCommand",
     "model": "slime_server.models.registry:ModelCommand",
+    "train": "slime_server.jobs.cli:TrainCommand",
+    "jobs": "slime_server.jobs.cli:JobsCommand",
 }
 
 # flag -> (dotted settings path, type). Values left at None do not override env/YAML.

@@ -43,3 +43,14 @@ def test_the_objective_is_a_choice_apart_from_the_estimator() -> None:
                    loss={"loss_type": "cispo", "eps_clip_high": 0.28})
     assert spec.estimator() == "grpo" and spec.loss_config()["loss_type"] == "cispo"
     assert spec.loop_settings().advantage.overlong_max_len == 512
+
+
+def test_the_example_job_configs_are_valid_specs() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+    assert len(examples) >= 2
+    for path in examples:
+        JobSpec.model_validate(yaml.safe_load(path.read_text()))

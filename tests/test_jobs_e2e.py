@@ -350,3 +350,37 @@ def test_dataset_job_plays_environment_episodes_in_groups(server: Any, tmp_path:
     n = len(store.list_trajectories(limit=10_000))
     time.sleep(1.0)
     assert len(store.list_trajectories(limit=10_000)) == n  # the driver stopped with the job
+
+
+def test_train_command_follows_a_job_to_its_end_and_exits_with_its_outcome(server: Any, tmp_path: Path) -> None:
+    """Issue 20: ``slime-server train CONFIG.yaml`` submits, follows step by step, prints the summary and exits 0
+    when the job completes; a spec the trainer cannot run exits 2 with the spec's message; ``jobs`` lists it."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    drain_pool(server)
+    url = server.base_url.removesuffix("/v1")
+    spec = {"name": "cli", "algorithm": "grpo", "optimizer": {"lr": 1e-3},
+            "data": {"source": "dataset", "environment": "calculator", "num_prompts": 8, "concurrency": 4,
+                     "max_tokens": 24},
+            "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": None, "poll_interval_s": 0.05,
+                     "checkpoint_interval": 100}}
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    cli = [sys.executable, "-m", "slime_server.cli"]
+    auth = ["--url", url, "--admin-key", ADMIN]
+    done = subprocess.run([*cli, "train", str(config), "--max-steps", "2", "--poll-s", "0.2", *auth],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    job_id = done.stdout.split()[1]
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")] == ["1", "2"]
+    assert f"job {job_id} completed: 2 steps" in done.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"algorithm": "ppo", "loop": {"n_samples_per_prompt": 2}}))
+    refused = subprocess.run([*cli, "train", str(bad), *auth], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "needs a critic" in refused.stderr
+    listed = subprocess.run([*cli, "jobs", "list", *auth], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and any(line.startswith(job_id) and "completed" in line
+                                          for line in listed.stdout.splitlines())
