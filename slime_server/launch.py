@@ -269,7 +269,7 @@ def _stop_actor(actor: Any) -> None:
 
 def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer: Any, loss: dict[str, Any],
                         temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
-                        engine_api_key: str | None = None, reference: bool = False) -> Any:
+                        engine_api_key: str | None = None, reference: bool = False, critic: Any = None) -> Any:
     """Megatron-core ranks for one job as Ray actors (TP x DP over gloo on CPU, nccl on GPU), set up.
 
     Colocated ranks reserve no CPU of their own: they share the engines' share and the loop pauses
@@ -285,7 +285,7 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch
                                 or trainer.max_tokens_per_micro_batch),
         megatron_args=trainer.megatron_args, engine_api_key=engine_api_key, weight_sync=trainer.weight_sync,
-        reference=reference)
+        reference=reference, critic=critic)
     group = TrainerGroup(rank_settings, trainer.num_ranks,
                          num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,
                          num_gpus_per_rank=trainer.num_gpus_per_rank, resources=trainer.ray_resources)

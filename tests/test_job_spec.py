@@ -9,9 +9,13 @@ import pytest
 from slime_server.jobs.spec import JobSpec
 
 
-def test_ppo_without_a_critic_is_refused_at_submit() -> None:
-    with pytest.raises(pydantic.ValidationError, match="needs a critic"):
-        JobSpec(algorithm="ppo", loop={"n_samples_per_prompt": 2})
+def test_ppo_trains_a_critic_with_gae() -> None:
+    spec = JobSpec(algorithm="ppo", critic={"optimizer": {"lr": 2e-5}, "value_clip": 0.5},
+                   loop={"advantage": {"lam": 0.9}})  # groups of one: the critic is the baseline
+    assert spec.estimator() == "gae" and spec.loop_settings().advantage.estimator == "gae"
+    assert spec.loss_config()["loss_type"] == "ppo" and spec.critic.optimizer.lr == 2e-5
+    with pytest.raises(pydantic.ValidationError):
+        JobSpec(algorithm="ppo", critic={"value_clip": -1})
 
 
 def test_kl_reward_shaping_only_where_the_estimator_uses_it() -> None:

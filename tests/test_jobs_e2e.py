@@ -81,8 +81,8 @@ def drive(server: Any, n: int, concurrency: int = 4) -> list[str]:
 
 
 def create_job(server: Any, pacing: dict[str, Any] | None = None, loss: dict[str, Any] | None = None,
-               **loop: Any) -> dict[str, Any]:
-    body = {"name": "test", "algorithm": "reinforce_plus_plus", "optimizer": {"lr": 1e-3},
+               algorithm: str = "reinforce_plus_plus", **loop: Any) -> dict[str, Any]:
+    body = {"name": "test", "algorithm": algorithm, "optimizer": {"lr": 1e-3},
             "loop": {"batch_size": 4, "checkpoint_interval": 2, "poll_interval_s": 0.05, **loop},
             "pacing": pacing or {}, "loss": loss or {}}
     with admin(server) as c:
@@ -189,6 +189,21 @@ def test_kl_job_keeps_a_reference_and_corrects_off_policy_by_default(server: Any
         steps = [m["metrics"] for m in c.get(f"/jobs/{j['id']}/metrics").raise_for_status().json()][:3]
     assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0 and steps[2]["kl"] > 0.0, [m["kl"] for m in steps]
     assert all(m["tis_weight_mean"] > 0 for m in steps) and "tis_clip_fraction" in steps[0]
+    cancel(server, j["id"])
+
+
+def test_ppo_job_trains_a_critic_and_checkpoints_it(server: Any) -> None:
+    """Issue 19: algorithm 'ppo' runs with a value model in the ranks: GAE advantages, a critic step per batch
+    (value loss and explained variance reported), the critic checkpointed beside the policy."""
+    drain_pool(server)
+    j = create_job(server, algorithm="ppo", max_staleness=None, checkpoint_interval=2)
+    wait_event(server, j["id"], "trainer_ready")
+    drive(server, 8)
+    j = wait_job(server, j["id"], lambda j: j["step"] >= 2 and j["checkpoints"])
+    with admin(server) as c:
+        steps = [m["metrics"] for m in c.get(f"/jobs/{j['id']}/metrics").raise_for_status().json()][:2]
+    assert all("value_loss" in m and "explained_variance" in m and "value_grad_norm" in m for m in steps), steps
+    assert Path(j["checkpoints"][-1]["path"] + "-critic").is_dir()
     cancel(server, j["id"])
 
 
@@ -378,9 +393,9 @@ def test_train_command_follows_a_job_to_its_end_and_exits_with_its_outcome(serve
     assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")] == ["1", "2"]
     assert f"job {job_id} completed: 2 steps" in done.stdout
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"algorithm": "ppo", "loop": {"n_samples_per_prompt": 2}}))
+    bad.write_text(yaml.safe_dump({"algorithm": "grpo", "loop": {"n_samples_per_prompt": 1}}))
     refused = subprocess.run([*cli, "train", str(bad), *auth], capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "needs a critic" in refused.stderr
+    assert refused.returncode == 2 and "subtracts its group's mean reward" in refused.stderr
     listed = subprocess.run([*cli, "jobs", "list", *auth], capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0 and any(line.startswith(job_id) and "completed" in line
                                           for line in listed.stdout.splitlines())

@@ -56,6 +56,14 @@ class RecordingTrainer:
         self.scored.append((len(samples), reference))
         return [[-0.25 if reference else -0.5] * len(s.tokens) for s in samples]
 
+    def compute_values(self, samples):
+        self.scored.append((len(samples), "values"))
+        return [[0.5 if m else 0.0 for m in s.loss_mask] for s in samples]
+
+    def train_critic(self, samples, old_values):
+        self.critic = (list(samples), [list(v) for v in old_values])
+        return {"value_loss": 0.125}
+
     def push_weights(self, urls, version, bucket_bytes=None):
         self.pushes.append(int(version))
         return {"seconds": 0.0, "bytes": 0}
@@ -204,3 +212,23 @@ def test_an_error_inside_a_live_rank_fails_at_once_a_death_restarts(store, tmp_p
         lp.run(max_restarts=2)
     assert lp.state.restarts == (0 if alive else 2)  # a live rank's error is not repeated; a death is retried
     assert len(built) == (1 if alive else 3)
+
+
+def test_ppo_scores_values_trains_the_policy_on_gae_then_the_critic(store, tmp_path: Path) -> None:
+    lp, trainer = loop(store, tmp_path, batch_size=2, n_samples_per_prompt=1,
+                       advantage={"estimator": "gae", "gamma": 1.0, "lam": 1.0})
+    add(store, "a", reward=1.0)
+    add(store, "b", reward=0.0)
+    metrics = lp.step_once()
+    assert trainer.scored == [(2, "values")]
+    trained, old_values = trainer.critic
+    assert old_values == [[0.0, 0.0, 0.0, 0.5, 0.5, 0.5]] * 2  # the values the advantages were computed with
+    # GAE (gamma = lambda = 1) on 3 generated tokens of value 0.5: returns are the reward on every step
+    by_reward = {s.reward: s for s in trained}
+    assert [r for r, m in zip(by_reward[1.0].returns, by_reward[1.0].loss_mask, strict=True) if m] == [1.0] * 3
+    assert [r for r, m in zip(by_reward[0.0].returns, by_reward[0.0].loss_mask, strict=True) if m] == [0.0] * 3
+    # advantages (return - value = +-0.5) whitened over the batch: +1 and -1
+    assert [a for a, m in zip(by_reward[1.0].advantages, by_reward[1.0].loss_mask, strict=True) if m] == \
+        pytest.approx([1.0] * 3)
+    assert metrics["value_loss"] == 0.125 and metrics["explained_variance"] == pytest.approx(0.0)
+    assert trainer.batches[0] == trained  # the policy trained on the same samples first

@@ -113,3 +113,40 @@ def test_importance_weights_are_one_when_fresh_and_act_when_stale(tiny_model_pat
     odd = sum(m_ for s in samples for i, m_ in enumerate(s.loss_mask) if i % 2) / sum(sum(s.loss_mask) for s in samples)
     assert m["tis_clip_fraction"] == pytest.approx(odd, abs=1e-6)  # e^0.7 = 2.01 > 1.5: those tokens are clipped
     assert m["tis_weight_mean"] == pytest.approx(1.5 * odd + 1.0 * (1 - odd), abs=1e-4)
+
+
+def test_the_critic_learns_the_returns_and_checkpoints_with_the_policy(tiny_model_path: Path, fresh_world: None,
+                                                                      tmp_path: Path) -> None:
+    """PPO's value model in the ranks: values start at 0 (zero head), the clipped value loss falls and the
+    explained variance of the values rises as it trains on fixed GAE returns; a checkpoint restores it."""
+    from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
+    from slime_server.trainer.advantages import AdvantageConfig, ppo_advantages
+    from slime_server.trainer.critic import CriticSettings, explained_variance
+    from slime_server.trainer.optimizer import OptimizerSettings
+    from slime_server.utils.net import find_free_port
+
+    rank = TrainerRank(TrainerRankSettings(
+        hf_path=str(tiny_model_path), seed=3, torch_threads=2,
+        critic=CriticSettings(optimizer=OptimizerSettings(lr=1e-3, clip_grad=1.0), value_clip=None)),
+        RendezvousInfo(rank=0, world_size=1, master_port=find_free_port()))
+    rank.setup()
+    samples = batch(tiny_model_path, n=4, seed=5)
+    samples = [s.model_copy(update={"reward": float(i % 2)}) for i, s in enumerate(samples)]
+    values = rank.compute_values(samples)
+    assert all(v == 0.0 for vs in values for v in vs)  # the zero-initialised head
+    targets = ppo_advantages(samples, values, AdvantageConfig(estimator="gae", gamma=1.0, lam=1.0))
+    masks = [s.loss_mask for s in samples]
+    returns = [t.returns for t in targets]
+    losses, ev = [], []
+    for _ in range(16):
+        values = rank.compute_values(samples)
+        ev.append(explained_variance(values, returns, masks))
+        losses.append(rank.train_critic(targets, values)["value_loss"])
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert ev[-1] > ev[1] and ev[-1] > 0.3, ev
+    path = rank.save_checkpoint(str(tmp_path / "ckpt"))
+    trained = rank.compute_values(samples)
+    rank.train_critic(targets, trained)
+    assert rank.compute_values(samples) != trained
+    rank.load_checkpoint(path)
+    assert rank.compute_values(samples) == trained  # the critic came back with the policy

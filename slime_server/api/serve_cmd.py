@@ -64,7 +64,8 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
         return start_trainer_group(model_path, tr, optimizer=spec.optimizer, loss=spec.loss_config(),
                                    temperature=temperature,
                                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
-                                   engine_api_key=engine_api_key, reference=spec.needs_reference())
+                                   engine_api_key=engine_api_key, reference=spec.needs_reference(),
+                                   critic=spec.critic if spec.algorithm == "ppo" else None)
 
     def configure_loop(loop: Any) -> None:
         if push_guard is not None:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from slime_server.buffer.job_store import JobRow
 from slime_server.job_logging import WandbSpec
 from slime_server.trainer.advantages import AdvantageConfig, Estimator
+from slime_server.trainer.critic import CriticSettings
 from slime_server.trainer.loop import LoopSettings, LoopState
 from slime_server.trainer.losses import LossConfig
 from slime_server.trainer.optimizer import OptimizerSettings
@@ -77,7 +78,9 @@ class JobSpec(_Strict):
     name: str | None = Field(None, max_length=200)
     base_model: str | None = Field(None, description="must be the served model (a live job trains it)")
     algorithm: Algorithm = Field("reinforce_plus_plus", description="the advantage estimator and its loss; 'ppo' "
-                                 "(a critic with GAE) is refused until the trainer has a value model")
+                                 "trains a critic (value model) beside the policy and uses GAE")
+    critic: CriticSettings = Field(default_factory=CriticSettings, description="the value model of algorithm 'ppo': "
+                                   "its optimizer (lr), value clipping and loss aggregation")
     data: DataSpec = Field(default_factory=DataSpec)
     loop: LoopSettings = Field(default_factory=LoopSettings)
     loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (loss_type: the objective, "
@@ -113,18 +116,15 @@ class JobSpec(_Strict):
             raise ValueError(f"algorithm {self.algorithm!r} subtracts its group's mean reward: with "
                              "loop.n_samples_per_prompt 1 every advantage is 0; use 'reinforce_plus_plus' (batch "
                              "baseline) or groups of n >= 2")
-        if self.algorithm == "ppo":
-            raise ValueError("algorithm 'ppo' needs a critic (value model, GAE), which this trainer does not have "
-                             "yet; 'grpo' is PPO's clipped objective with a group baseline instead of a critic")
         if self.loop.advantage.kl_coef > 0 and self.estimator() not in ("reinforce_plus_plus",
-                                                                         "reinforce_plus_plus_baseline"):
+                                                                         "reinforce_plus_plus_baseline", "gae"):
             raise ValueError("loop.advantage.kl_coef shapes REINFORCE++ rewards; for "
                              f"{self.algorithm!r} use loss.kl_coef (the KL loss term)")
         LossConfig(**self.loss_config())  # fail at submit time, not in the trainer
         return self
 
     def estimator(self) -> Estimator:
-        return self.algorithm  # type: ignore[return-value]  # 'ppo' is refused above
+        return "gae" if self.algorithm == "ppo" else self.algorithm
 
     def loss_config(self) -> dict[str, Any]:
         """The trainer's LossConfig. Off-policy correction (TIS on the recorded rollout log-probs) is on by

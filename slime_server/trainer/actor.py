@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from slime_server.trainer.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from slime_server.trainer.critic import CriticSettings
 from slime_server.trainer.optimizer import OptimizerBundle, OptimizerSettings, build_optimizer
 from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
 from slime_server.trainer.types import TrainSample
@@ -51,6 +52,8 @@ class TrainerRankSettings(BaseModel):
     weight_sync: Literal["auto", "tensor", "distributed"] = "auto"
     reference: bool = Field(False, description="keep a frozen reference model (the base weights at hf_path) for "
                             "the KL loss and KL reward shaping; costs one more copy of the weights and a forward")
+    critic: CriticSettings | None = Field(None, description="train a value model (PPO with GAE) beside the policy, "
+                                          "initialised from hf_path; checkpointed with it")
 
 
 class TrainerRank:
@@ -61,6 +64,7 @@ class TrainerRank:
         self.rendezvous = rendezvous
         self.bundle: OptimizerBundle | None = None
         self.reference: torch.nn.Module | None = None
+        self.critic: OptimizerBundle | None = None
         self.step = 0
         self.policy_version = 0
 
@@ -106,6 +110,12 @@ class TrainerRank:
                 ref = ref.cuda()
             load_hf_checkpoint_into(ref, self.settings.hf_path)
             self.reference = ref.eval().requires_grad_(False)
+        if self.settings.critic is not None:
+            from slime_server.trainer.critic import build_value_model
+
+            value_model = build_value_model(self.settings.hf_path, params_dtype=dtype,
+                                            megatron_args=self.settings.megatron_args)
+            self.critic = build_optimizer(value_model, self.settings.critic.optimizer)
         return {"rank": layout.rank, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank,
                 "tp_size": layout.tp_size, "dp_size": layout.dp_size}
 
@@ -139,14 +149,40 @@ class TrainerRank:
         model = self.reference if reference else self._ready().model
         return [lp.tolist() for lp in self._logprobs(model, samples)]
 
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """The critic's per-token values (aligned to the tokens), as plain lists."""
+        from slime_server.trainer.critic import compute_values
+
+        return [v.tolist() for v in compute_values(self._critic().model, samples,
+                                                   self.settings.train.max_tokens_per_micro_batch)]
+
+    def train_critic(self, samples: Sequence[TrainSample], old_values: Sequence[Sequence[float]]) -> dict[str, float]:
+        """One critic optimizer step towards the samples' ``returns`` (clipped around ``old_values``)."""
+        from slime_server.trainer.critic import critic_step
+
+        assert self.settings.critic is not None
+        return critic_step(self._critic(), samples, [torch.tensor(v, dtype=torch.float32) for v in old_values],
+                           self.settings.critic, self.settings.train.max_tokens_per_micro_batch)
+
+    def _critic(self) -> OptimizerBundle:
+        if self.critic is None:
+            raise RuntimeError("this trainer has no critic (TrainerRankSettings.critic)")
+        return self.critic
+
     def _logprobs(self, model: torch.nn.Module, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         return compute_logprobs(model, samples, temperature=self.settings.train.temperature,
                                 max_tokens_per_micro_batch=self.settings.train.max_tokens_per_micro_batch)
 
     def save_checkpoint(self, path: str) -> str:
+        """The policy at ``path``; the critic (if any) beside it at ``path``-critic, written first so a
+        policy checkpoint that exists always has its critic."""
+        if self.critic is not None:
+            save_checkpoint(f"{path}-critic", self.critic, step=self.step, policy_version=self.policy_version)
         return str(save_checkpoint(path, self._ready(), step=self.step, policy_version=self.policy_version))
 
     def load_checkpoint(self, path: str) -> dict[str, int]:
+        if self.critic is not None:
+            load_checkpoint(f"{path}-critic", self.critic)
         meta: CheckpointMeta = load_checkpoint(path, self._ready())
         self.step, self.policy_version = meta.step, meta.policy_version
         return {"step": self.step, "policy_version": self.policy_version}
@@ -229,6 +265,12 @@ class TrainerGroup:
 
     def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]]:
         return self._all("compute_logprobs", list(samples), reference)[0]
+
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        return self._all("compute_values", list(samples))[0]
+
+    def train_critic(self, samples: Sequence[TrainSample], old_values: Sequence[Sequence[float]]) -> dict[str, float]:
+        return self._all("train_critic", list(samples), [list(v) for v in old_values])[0]
 
     def alive(self, timeout: float = 10.0) -> bool:
         """Whether every rank process still answers (a rank that died makes this False)."""

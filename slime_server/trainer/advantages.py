@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from slime_server.trainer.types import TrainSample
 
-Estimator = Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+Estimator = Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
 
 
 def broadcast_to_tokens(value: float, loss_mask: Sequence[int]) -> list[float]:
@@ -205,6 +205,7 @@ class AdvantageConfig(BaseModel):
     estimator: Estimator = "grpo"
     eps: float = Field(1e-6, gt=0, description="GRPO std epsilon")
     gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (estimator gae: PPO with a critic)")
     kl_coef: float = Field(0.0, ge=0, description="KL reward shaping (REINFORCE++ variants)")
     overlong_max_len: int | None = Field(None, ge=1, description="DAPO overlong reward shaping: responses longer "
                                          "than max_len - cache_len generated tokens lose up to 1 (linearly), beyond "
@@ -228,13 +229,31 @@ def overlong_penalty(length: int, max_len: int, cache_len: int) -> float:
     return -1.0
 
 
+def shape_rewards(samples: Sequence[TrainSample], cfg: AdvantageConfig) -> list[TrainSample]:
+    """Reward shaping every estimator sees (DAPO's overlong penalty)."""
+    if cfg.overlong_max_len is None:
+        return list(samples)
+    return [_with(s, reward=s.reward + overlong_penalty(sum(s.loss_mask), cfg.overlong_max_len, cfg.overlong_cache_len))
+            for s in samples]
+
+
+def ppo_advantages(samples: Sequence[TrainSample], values: Sequence[Sequence[float]], cfg: AdvantageConfig, *,
+                   kl: Sequence[Sequence[float]] | None = None, eps: float = 1e-8) -> list[TrainSample]:
+    """PPO: GAE over the critic's values (``returns`` = advantages + values, the critic's targets), then the
+    advantages whitened over the batch's masked tokens, as slime does; the returns are left as they are."""
+    out = gae_advantages(shape_rewards(samples, cfg), values, gamma=cfg.gamma, lam=cfg.lam, kl=kl, kl_coef=cfg.kl_coef)
+    adv = _whiten([s.advantages or [] for s in out], [s.loss_mask for s in out], center=True, eps=eps)
+    return [s.model_copy(update={"advantages": a}) for s, a in zip(out, adv, strict=True)]
+
+
 def compute_advantages(
     samples: Sequence[TrainSample], cfg: AdvantageConfig, *, kl: Sequence[Sequence[float]] | None = None,
 ) -> list[TrainSample]:
-    """Dispatch to the configured estimator (GSPO uses GRPO's group-normalised advantages)."""
-    if cfg.overlong_max_len is not None:
-        samples = [_with(s, reward=s.reward + overlong_penalty(sum(s.loss_mask), cfg.overlong_max_len,
-                                                               cfg.overlong_cache_len)) for s in samples]
+    """Dispatch to the configured estimator (GSPO uses GRPO's group-normalised advantages). GAE needs the
+    critic's values: ``ppo_advantages``."""
+    samples = shape_rewards(samples, cfg)
+    if cfg.estimator == "gae":
+        raise ValueError("the gae estimator needs the critic's values: use ppo_advantages")
     if cfg.estimator in ("grpo", "gspo"):
         return grpo_advantages(samples, eps=cfg.eps)
     if cfg.estimator == "dr_grpo":

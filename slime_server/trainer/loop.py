@@ -50,7 +50,13 @@ from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_weight_version
-from slime_server.trainer.advantages import AdvantageConfig, compute_advantages, opd_advantages
+from slime_server.trainer.advantages import (
+    AdvantageConfig,
+    compute_advantages,
+    opd_advantages,
+    ppo_advantages,
+)
+from slime_server.trainer.critic import explained_variance
 from slime_server.trainer.types import TrainSample
 
 log = logging.getLogger(__name__)
@@ -101,6 +107,10 @@ class Trainer(Protocol):
     def train_step(self, samples: Sequence[TrainSample], **kwargs: Any) -> dict[str, float]: ...
 
     def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]]: ...
+
+    def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]: ...
+
+    def train_critic(self, samples: Sequence[TrainSample], old_values: Sequence[Sequence[float]]) -> dict[str, float]: ...
 
     def save_checkpoint(self, path: str) -> str: ...
 
@@ -351,7 +361,10 @@ class TrainLoop:
         if s.advantage.kl_coef > 0:  # REINFORCE++ reward shaping: k1 KL of that policy to the reference
             ref_lp = self.trainer.compute_logprobs(raw, reference=True)
             kl = [[o - r for o, r in zip(o_s, r_s, strict=True)] for o_s, r_s in zip(old_lp, ref_lp, strict=True)]
-        samples = with_opd(compute_advantages(raw, s.advantage, kl=kl), s.opd)
+        values = self.trainer.compute_values(raw) if s.advantage.estimator == "gae" else None  # PPO's critic
+        shaped = (ppo_advantages(raw, values, s.advantage, kl=kl) if values is not None
+                  else compute_advantages(raw, s.advantage, kl=kl))
+        samples = with_opd(shaped, s.opd)
         downweighted = 0
         if s.stale_policy == "downweight" and s.max_staleness is not None:
             for i, lag in enumerate(batch.lags):
@@ -367,6 +380,10 @@ class TrainLoop:
             try:
                 with self._push_lock:
                     metrics = self._train(samples, old_lp if s.num_steps_per_rollout > 1 else None)
+                    if values is not None:  # one critic step per batch, towards the GAE returns
+                        metrics.update(self.trainer.train_critic(samples, values))
+                        metrics["explained_variance"] = explained_variance(
+                            values, [x.returns or [] for x in samples], [x.loss_mask for x in samples])
                     self.store.mark_consumed([t.id for t in batch.trajectories], self.state.step + 1, self.job_id)
                     self.state.step += 1
                     self.state.version += 1
