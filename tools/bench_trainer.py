@@ -8,6 +8,10 @@ gradient norms, which must agree because both start from the same weights (a cor
 cross-check of the whole Megatron path against an independent implementation).
 
     python tools/bench_trainer.py [--model HF_DIR] [--batch 8] [--seq-len 128] [--steps 6]
+
+``--algorithms``: instead, one step of the policy alone vs one PPO step with a KL reference and a critic
+(reference log-probs in the step, values, the critic's step) on the same batch, and the parameter memory
+of each model: the cost of ``loss.kl_coef`` and ``algorithm: ppo``.
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--algorithms", action="store_true", help="policy alone vs policy + KL reference + critic")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = str(args.model or ensure_tiny_model())
@@ -125,6 +130,10 @@ def main() -> None:
     settings = TrainStepSettings(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                                  loss=LossConfig(loss_type="grpo"))
     samples = make_samples(vocab, args.batch, args.seq_len, seed=0)
+    if args.algorithms:
+        print(json.dumps({"model": model_dir, "batch": args.batch, "seq_len": args.seq_len,
+                          **bench_algorithms(model_dir, args, samples)}))
+        return
     trainers = {"megatron": megatron_trainer(model_dir, args, settings), "hf": hf_trainer(model_dir, args, settings)}
     times: dict[str, list[float]] = {k: [] for k in trainers}
     first: dict[str, tuple[float, float]] = {}
@@ -145,6 +154,45 @@ def main() -> None:
         "first_loss": {k: v[0] for k, v in first.items()}, "first_grad_norm": {k: v[1] for k, v in first.items()},
     }
     print(json.dumps(report))
+
+
+def bench_algorithms(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
+    """Median step time: policy alone vs policy + KL reference + critic (same batch, same process)."""
+    from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
+    from slime_server.trainer.critic import CriticSettings
+    from slime_server.trainer.losses import LossConfig
+    from slime_server.trainer.optimizer import OptimizerSettings
+    from slime_server.trainer.parallel import destroy_parallel
+    from slime_server.trainer.train_step import TrainStepSettings
+    from slime_server.utils.net import find_free_port
+
+    def mbytes(module: torch.nn.Module | None) -> float:
+        return 0.0 if module is None else sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+
+    out: dict[str, Any] = {}
+    for name, extra in (("policy", {}), ("policy+reference+critic", {"reference": True, "critic": CriticSettings()})):
+        loss = LossConfig(loss_type="ppo", kl_coef=0.01 if extra else 0.0)
+        rank = TrainerRank(TrainerRankSettings(
+            hf_path=model_dir, torch_threads=args.threads, optimizer=OptimizerSettings(lr=args.lr),
+            train=TrainStepSettings(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, loss=loss), **extra),
+            RendezvousInfo(rank=0, world_size=1, master_port=find_free_port()))
+        rank.setup()
+        times = []
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            rank.train_step(samples)
+            if rank.critic is not None:
+                values = rank.compute_values(samples)
+                rank.train_critic([s.model_copy(update={"returns": [float(s.reward)] * len(s.tokens)}) for s in samples],
+                                  values)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        out[name] = {"step_s": round(statistics.median(times), 4), "policy_mib": round(mbytes(rank.bundle.model), 1),
+                     "reference_mib": round(mbytes(rank.reference), 1),
+                     "critic_mib": round(mbytes(rank.critic.model if rank.critic else None), 1)}
+        destroy_parallel()
+    out["ratio"] = round(out["policy+reference+critic"]["step_s"] / out["policy"]["step_s"], 3)
+    return out
 
 
 def _hf_params(model_dir: str) -> list[torch.Tensor]:
