@@ -340,6 +340,8 @@ class CPUEngine:
             with torch.no_grad():
                 for name, t in commit.named:
                     self._params[name].copy_(t)
+            if self.lean is not None:
+                self.lean.refresh()
             if commit.flush and not (not self._running and (self._paused or not self._waiting)):
                 commit.error = FlushRefused("requests are running or queued")
             elif commit.version is not None:

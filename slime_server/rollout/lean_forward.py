@@ -23,6 +23,10 @@ import torch.nn.functional as F  # noqa: N812 - torch's own convention
 from slime_server.rollout.engine_sequence import Sequence
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+# fp32 vocabulary projections at least this large go through oneDNN, on a copy of the weight: MKL's fp32
+# GEMV read them at ~11 GB/s on the 2-core AMD EPYC the benchmarks ran on, oneDNN at ~20 (SmolLM2's 576 x
+# 49152: 10.2 -> 5.4 ms per token at batch 1, 17.6 -> 8.4 ms at 8)
+MKLDNN_HEAD_MIN = 8 * 2**20
 
 
 @dataclass
@@ -90,6 +94,8 @@ class LeanForward:
                 k_norm=getattr(a, "k_norm", None) and a.k_norm.weight))
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
+        self._head: torch.nn.Module | None = None
+        self.refresh()
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
         self.q_size = self.n_heads * self.head_dim
@@ -131,7 +137,21 @@ class LeanForward:
         return cos[0], sin[0]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._norm(x, self.final_norm), self.lm_head)
+        h = self._norm(x, self.final_norm)
+        if self._head is not None:
+            return self._head(h)
+        return F.linear(h, self.lm_head)
+
+    def refresh(self) -> None:
+        """Rebuild what copies the weights (the oneDNN vocabulary projection) after a weight update."""
+        self._head = None
+        if (self.lm_head.dtype == torch.float32 and self.lm_head.numel() >= MKLDNN_HEAD_MIN
+                and torch.backends.mkldnn.is_available()):
+            from torch.utils.mkldnn import MkldnnLinear
+
+            dense = torch.nn.Linear(self.lm_head.shape[1], self.lm_head.shape[0], bias=False)
+            dense.weight = torch.nn.Parameter(self.lm_head.detach(), requires_grad=False)
+            self._head = MkldnnLinear(dense, torch.float)
 
     # ------------------------------------------------------------------ passes
     def prefill(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], all_logits: bool = False,
