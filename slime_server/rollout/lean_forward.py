@@ -103,12 +103,8 @@ class LeanForward:
 
     # ------------------------------------------------------------------ pieces
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """HF's RMSNorm: statistics in fp32 whatever the weights' dtype (one fused op in fp32)."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, weight.shape, weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
+        """RMSNorm in one op (torch computes its statistics in fp32 for bf16 input too, as HF does)."""
+        return F.rms_norm(x, weight.shape, weight, self.eps)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
