@@ -256,3 +256,25 @@ def test_a_prompt_that_extends_a_finished_one_reuses_its_kv(tiny_model_path) -> 
     finally:
         with_cache.shutdown()
         without.shutdown()
+
+
+def test_reused_prefix_prefill_in_chunks_answers_the_same(tiny_model_path, monkeypatch) -> None:
+    """After a reused prefix the prefill's causal mask is built per chunk of queries (bounded memory on long
+    agent prompts): many small chunks give the same answer as no reuse."""
+    from slime_server.rollout import lean_forward
+
+    monkeypatch.setattr(lean_forward, "PREFILL_MASK_ELEMENTS", 200)  # a few queries per chunk
+    with_cache = CPUEngine(EngineConfig(model_path=str(tiny_model_path)))
+    without = CPUEngine(EngineConfig(model_path=str(tiny_model_path), prefix_cache_mb=0))
+    sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    try:
+        (first,) = with_cache.generate(list(range(30, 60)), sp)
+        second = list(range(30, 60)) + first.output_ids + list(range(200, 240))  # 40 new tokens: several chunks
+        (a,) = with_cache.generate(second, sp, return_logprob=True)
+        (b,) = without.generate(second, sp, return_logprob=True)
+        assert a.meta_info.cached_tokens > 30 and a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor([e[0] for e in a.meta_info.output_token_logprobs]),
+                                   torch.tensor([e[0] for e in b.meta_info.output_token_logprobs]), atol=1e-5, rtol=0)
+    finally:
+        with_cache.shutdown()
+        without.shutdown()

@@ -27,6 +27,7 @@ SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 # GEMV read them at ~11 GB/s on the 2-core AMD EPYC the benchmarks ran on, oneDNN at ~20 (SmolLM2's 576 x
 # 49152: 10.2 -> 5.4 ms per token at batch 1, 17.6 -> 8.4 ms at 8)
 MKLDNN_HEAD_MIN = 8 * 2**20
+PREFILL_MASK_ELEMENTS = 16 * 2**20  # attention mask elements per chunk of a prefill after a reused prefix
 
 
 @dataclass
@@ -158,16 +159,32 @@ class LeanForward:
         n, new = len(ids), len(ids) - start
         x = F.embedding(torch.tensor(ids[start:]), self.embed)
         cos, sin = self._positions(torch.arange(start, n))
-        mask = None if start == 0 else torch.arange(n)[None, :] <= torch.arange(start, n)[:, None]  # [new, n]
         for layer, (kb, vb) in zip(self.layers, kv, strict=True):
             q, k, v = self._qkv(layer, self._norm(x, layer.in_norm), cos, sin)
             kb[:, start:n] = k.transpose(0, 1)
             vb[:, start:n] = v.transpose(0, 1)
-            att = F.scaled_dot_product_attention(q.transpose(0, 1), kb[:, :n], vb[:, :n], attn_mask=mask,
-                                                 is_causal=mask is None, enable_gqa=True)  # [nh, new, hd]
-            x = x + F.linear(att.transpose(0, 1).reshape(new, self.q_size), layer.o)
+            att = self._prefill_attention(q.transpose(0, 1)[None], kb[None], vb[None], start, n)  # [1, nh, new, hd]
+            x = x + F.linear(att[0].transpose(0, 1).reshape(new, self.q_size), layer.o)
             x = self._mlp(layer, x)
         return self._logits(x if all_logits else x[-1:])
+
+    @staticmethod
+    def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """Causal attention of the new positions ``start..n-1`` over positions ``0..n-1``, all 4-D so torch
+        takes its flash kernel (a 3-D call falls back to the math kernel, which holds an [n, n] matrix: 10 GB
+        for a 25k-token agent prompt). With a reused prefix the queries do not start at 0, so the mask is
+        explicit, built per chunk of queries to stay within ``PREFILL_MASK_ELEMENTS``."""
+        if start == 0:
+            return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True, enable_gqa=True)
+        chunk = max(1, PREFILL_MASK_ELEMENTS // n)
+        outs = []
+        for i0 in range(0, n - start, chunk):
+            i1 = min(n - start, i0 + chunk)
+            keys = start + i1
+            mask = torch.arange(keys)[None, :] <= torch.arange(start + i0, keys)[:, None]
+            outs.append(F.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, :keys], v[:, :, :keys], attn_mask=mask,
+                                                       enable_gqa=True))
+        return torch.cat(outs, dim=2)
 
     def decode(self, batch: list[Sequence]) -> torch.Tensor:
         """One token for each sequence (its last output id at position ``kv_len``): logits [B, V]. Writes the
