@@ -122,6 +122,27 @@ def openai_client(gw: GatewayProc, api_key: str = "EMPTY", **kw):
     return openai.OpenAI(base_url=gw.base_url, api_key=api_key, max_retries=0, timeout=120, **kw)
 
 
+def new_session(gw: GatewayProc) -> str:
+    """A fresh session id from the sessions REST API."""
+    import httpx
+
+    return httpx.post(f"{gw.base_url}/sessions", json={}, timeout=30).raise_for_status().json()["id"]
+
+
+def session_trajectories(gw: GatewayProc, sid: str) -> list[dict]:
+    import httpx
+
+    return httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30).raise_for_status().json()
+
+
+def check_mask(traj: dict, n_turns: int) -> None:
+    """Loss mask 1 exactly on the generated spans, each with an engine logprob."""
+    assert len(traj["turns"]) == n_turns
+    generated = [i for t in traj["turns"] for i in range(t["output_start"], t["output_end"])]
+    assert [i for i, m in enumerate(traj["loss_mask"]) if m] == generated
+    assert all(traj["rollout_logprobs"][i] <= 0.0 for i in generated)
+
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

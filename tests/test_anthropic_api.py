@@ -21,6 +21,9 @@ from _gateway_helpers import (
     WEATHER_TOOL,
     GatewayProc,
     cached_tool_model,
+    check_mask,
+    new_session,
+    session_trajectories,
     start_gateway,
     stop_gateway,
 )
@@ -57,27 +60,11 @@ def client(gw: GatewayProc, api_key: str = "EMPTY") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=gw.url, api_key=api_key, max_retries=0, timeout=120)
 
 
-def session(gw: GatewayProc) -> str:
-    return httpx.post(f"{gw.base_url}/sessions", json={}, timeout=30).raise_for_status().json()["id"]
-
-
-def trajectories(gw: GatewayProc, sid: str) -> list[dict]:
-    return httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30).raise_for_status().json()
-
-
-def check_mask(traj: dict, n_turns: int) -> None:
-    """Loss mask 1 exactly on the generated spans, each with an engine logprob."""
-    assert len(traj["turns"]) == n_turns
-    generated = [i for t in traj["turns"] for i in range(t["output_start"], t["output_end"])]
-    assert [i for i, m in enumerate(traj["loss_mask"]) if m] == generated
-    assert all(traj["rollout_logprobs"][i] <= 0.0 for i in generated)
-
-
 def test_create_and_stream_give_the_same_message_and_record(gateway: GatewayProc) -> None:
     c = client(gateway)
     kw = dict(model=MODEL, max_tokens=24, extra_body={"temperature": 0.0}, system="Be brief.",
               messages=[{"role": "user", "content": [{"type": "text", "text": "Tell me a story."}]}])
-    sid_a, sid_b = session(gateway), session(gateway)
+    sid_a, sid_b = new_session(gateway), new_session(gateway)
     plain = c.messages.create(**kw, extra_headers={"X-Session-Id": sid_a})
     with c.messages.stream(**kw, extra_headers={"X-Session-Id": sid_b}) as s:
         deltas = [e.delta.text for e in s if e.type == "content_block_delta" and e.delta.type == "text_delta"]
@@ -91,7 +78,7 @@ def test_create_and_stream_give_the_same_message_and_record(gateway: GatewayProc
     assert final.usage.input_tokens == plain.usage.input_tokens
     assert final.usage.output_tokens == plain.usage.output_tokens
     for sid, msg in ((sid_a, plain), (sid_b, final)):
-        (traj,) = trajectories(gateway, sid)
+        (traj,) = session_trajectories(gateway, sid)
         check_mask(traj, 1)
         (turn,) = traj["turns"]
         assert turn["output_start"] == msg.usage.input_tokens
@@ -101,7 +88,7 @@ def test_create_and_stream_give_the_same_message_and_record(gateway: GatewayProc
 @pytest.mark.parametrize("streamed", [False, True], ids=["create", "stream"])
 def test_tool_use_and_tool_result_round_trip_is_one_trajectory(gateway: GatewayProc, streamed: bool) -> None:
     c = client(gateway)
-    sid = session(gateway)
+    sid = new_session(gateway)
     hdr = {"X-Session-Id": sid}
     messages: list[dict] = [{"role": "user", "content": TOOL_USER}]
     kw = dict(model=MODEL, max_tokens=40, extra_body={"temperature": 0.0}, tools=[TOOL], extra_headers=hdr)
@@ -119,7 +106,7 @@ def test_tool_use_and_tool_result_round_trip_is_one_trajectory(gateway: GatewayP
     messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": TOOL_RESULT}]}]
     second = c.messages.create(messages=messages, **{**kw, "max_tokens": 16})
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(gateway, sid)
     check_mask(traj, 2)
     t0, t1 = traj["turns"]
     assert t0["output_end"] - t0["output_start"] == first.usage.output_tokens
@@ -195,7 +182,7 @@ def test_claude_code_session_header_names_the_session(gateway: GatewayProc) -> N
              {"role": "user", "content": [{"type": "text", "text": "More?"}]}]
     c.messages.create(model=MODEL, max_tokens=6, extra_body={"temperature": 0.0}, messages=msgs,
                       extra_headers={"X-Claude-Code-Session-Id": sid})
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(gateway, sid)
     check_mask(traj, 2)
 
 
@@ -204,7 +191,7 @@ def test_one_session_may_switch_apis(gateway: GatewayProc) -> None:
     extending the last with the model's own tokens (the three APIs share one turn core)."""
     import openai
 
-    sid = session(gateway)
+    sid = new_session(gateway)
     hdr = {"X-Session-Id": sid}
     oa = openai.OpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0, timeout=120)
     history: list[dict] = [{"role": "user", "content": "Hi"}]
@@ -217,7 +204,7 @@ def test_one_session_may_switch_apis(gateway: GatewayProc) -> None:
     history += [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
     oa.responses.create(model=MODEL, input=history, max_output_tokens=6, temperature=0, store=False,
                         extra_headers=hdr)
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(gateway, sid)
     check_mask(traj, 3)
     ends = [t["output_end"] for t in traj["turns"]]
     assert [t["prompt_start"] for t in traj["turns"][1:]] == ends[:-1]

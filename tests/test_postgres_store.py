@@ -243,22 +243,6 @@ def test_replicas_see_each_others_sessions_rewards_and_feedback(replicas) -> Non
     assert a.get_trajectory(t.id).status == "finished"
 
 
-def test_replicas_share_stored_responses(replicas) -> None:
-    from slime_server.buffer.schema import ResponseNotFound, StoredResponse
-
-    a, b = replicas
-    body = {"input": [{"role": "user", "content": "héllo"}], "output": {"role": "assistant", "content": "hi"}}
-    a.put_stored_response(StoredResponse(id="resp_1", session_id="s", owner="key:1", body=body))
-    b.put_stored_response(StoredResponse(id="resp_2", session_id="s", previous_response_id="resp_1", body={}))
-    got = b.get_stored_response("resp_1")
-    assert (got.session_id, got.owner, got.previous_response_id, got.body) == ("s", "key:1", None, body)
-    assert a.get_stored_response("resp_2").previous_response_id == "resp_1"
-    a.put_stored_response(StoredResponse(id="resp_2", session_id="s", body={"x": 1}))  # same id: replaced
-    assert b.get_stored_response("resp_2").body == {"x": 1}
-    with pytest.raises(ResponseNotFound):
-        a.get_stored_response("resp_missing")
-
-
 def test_session_owner_is_enforced_across_replicas(replicas) -> None:
     a, b = replicas
     assert a.get_or_create_session("hdr", owner="key-1").owner == "key-1"

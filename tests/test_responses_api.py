@@ -21,7 +21,10 @@ from _gateway_helpers import (
     WEATHER_TOOL,
     GatewayProc,
     cached_tool_model,
+    check_mask,
+    new_session,
     openai_client,
+    session_trajectories,
     start_gateway,
     stop_gateway,
 )
@@ -47,14 +50,6 @@ def gateway(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         stop_gateway(gw)
 
 
-def session(gw: GatewayProc) -> str:
-    return httpx.post(f"{gw.base_url}/sessions", json={}, timeout=30).raise_for_status().json()["id"]
-
-
-def trajectories(gw: GatewayProc, sid: str) -> list[dict]:
-    return httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30).raise_for_status().json()
-
-
 def session_of(gw: GatewayProc, response_id: str) -> str:
     """The session a response was recorded in (the feedback route answers with it)."""
     r = httpx.post(f"{gw.base_url}/responses/{response_id}/feedback", json={"score": 0.0}, timeout=30)
@@ -62,17 +57,10 @@ def session_of(gw: GatewayProc, response_id: str) -> str:
     return r.json()["session_id"]
 
 
-def check_mask(traj: dict, n_turns: int) -> None:
-    assert len(traj["turns"]) == n_turns
-    generated = [i for t in traj["turns"] for i in range(t["output_start"], t["output_end"])]
-    assert [i for i, m in enumerate(traj["loss_mask"]) if m] == generated
-    assert all(traj["rollout_logprobs"][i] <= 0.0 for i in generated)
-
-
 def test_create_and_stream_agree_and_are_recorded(gateway: GatewayProc) -> None:
     c = openai_client(gateway)
     kw = dict(model=MODEL, instructions="Be brief.", input="Tell me a story.", temperature=0, max_output_tokens=24)
-    sid_a, sid_b = session(gateway), session(gateway)
+    sid_a, sid_b = new_session(gateway), new_session(gateway)
     plain = c.responses.create(**kw, extra_headers={"X-Session-Id": sid_a})
     events = list(c.responses.create(**kw, stream=True, extra_headers={"X-Session-Id": sid_b}))
     assert plain.id.startswith("resp_") and plain.object == "response" and plain.output_text
@@ -85,12 +73,12 @@ def test_create_and_stream_agree_and_are_recorded(gateway: GatewayProc) -> None:
     final = events[-1].response
     assert final.output_text == plain.output_text and final.status == plain.status
     assert final.usage.model_dump() == plain.usage.model_dump()
-    with c.responses.stream(**kw, extra_headers={"X-Session-Id": session(gateway)}) as s:
+    with c.responses.stream(**kw, extra_headers={"X-Session-Id": new_session(gateway)}) as s:
         helper = s.get_final_response() if plain.status == "completed" else None
     if helper is not None:
         assert helper.output_text == plain.output_text
     for sid, resp in ((sid_a, plain), (sid_b, final)):
-        (traj,) = trajectories(gateway, sid)
+        (traj,) = session_trajectories(gateway, sid)
         check_mask(traj, 1)
         (turn,) = traj["turns"]
         assert turn["output_start"] == resp.usage.input_tokens
@@ -120,7 +108,7 @@ def test_function_call_round_trip_through_previous_response_id(gateway: GatewayP
     assert second.previous_response_id == first.id
     sid = session_of(gateway, second.id)
     assert session_of(gateway, first.id) == sid
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(gateway, sid)
     check_mask(traj, 2)
     t0, t1 = traj["turns"]
     assert t0["output_end"] - t0["output_start"] == first.usage.output_tokens
@@ -138,7 +126,7 @@ def test_three_turn_chain_is_one_trajectory_and_retrievable(gateway: GatewayProc
         ids.append(r.id)
         previous = r.id
     sid = session_of(gateway, ids[-1])
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(gateway, sid)
     check_mask(traj, 3)
     assert [t["prompt_start"] for t in traj["turns"][1:]] == [t["output_end"] for t in traj["turns"][:-1]]
     got = c.responses.retrieve(ids[1])
@@ -161,7 +149,7 @@ def test_stateless_full_input_with_a_session_header_merges(gateway: GatewayProc)
     items.append({"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT})
     c.responses.create(model=MODEL, input=items, tools=[TOOL], temperature=0, max_output_tokens=8, store=False,
                        extra_headers=hdr)
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(gateway, sid)
     check_mask(traj, 2)
     assert traj["turns"][1]["prompt_start"] == traj["turns"][0]["output_end"]
     with pytest.raises(openai.NotFoundError):  # store: false keeps nothing to retrieve or continue

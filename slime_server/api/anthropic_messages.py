@@ -22,8 +22,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
-
 from slime_server.api.anthropic_protocol import (
     ContentBlock,
     MessageParam,
@@ -39,7 +37,7 @@ from slime_server.api.anthropic_protocol import (
 )
 from slime_server.api.errors import APIError, anthropic_error_body, bad_request
 from slime_server.api.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
-from slime_server.api.turn import ChatTurn, TurnResult, engine_reason, matched_stop
+from slime_server.api.turn import ChatTurn, TurnResult, canonical_request, engine_reason, matched_stop
 from slime_server.api.turn_stream import StreamDelta, turn_events
 from slime_server.rollout.protocol import GenerateOutput
 
@@ -152,12 +150,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         "top_k": req.top_k if req.top_k else None,
         "stop": req.stop_sequences or None,
     }
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}, strict=False)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise bad_request(f"{where}: {first.get('msg')}", param=where or None) from None
+    return canonical_request(body)
 
 
 # ----------------------------------------------------------------------------- answer

@@ -11,7 +11,9 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from slime_server.api.protocol import WireModel
 
 MAX_STOP_SEQUENCES = 16
 
@@ -20,36 +22,32 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-class _Wire(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
 # ----------------------------------------------------------------------------- request content blocks
 
 
-class TextBlockParam(_Wire):
+class TextBlockParam(WireModel):
     type: Literal["text"]
     text: str
 
 
-class ImageBlockParam(_Wire):
+class ImageBlockParam(WireModel):
     type: Literal["image"]
     source: dict[str, Any] = Field(default_factory=dict)
 
 
-class DocumentBlockParam(_Wire):
+class DocumentBlockParam(WireModel):
     type: Literal["document"]
     source: dict[str, Any] = Field(default_factory=dict)
 
 
-class ToolUseBlockParam(_Wire):
+class ToolUseBlockParam(WireModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any] = Field(default_factory=dict)
 
 
-class ToolResultBlockParam(_Wire):
+class ToolResultBlockParam(WireModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[Annotated[TextBlockParam | ImageBlockParam | DocumentBlockParam,
@@ -57,13 +55,13 @@ class ToolResultBlockParam(_Wire):
     is_error: bool | None = None
 
 
-class ThinkingBlockParam(_Wire):
+class ThinkingBlockParam(WireModel):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlockParam(_Wire):
+class RedactedThinkingBlockParam(WireModel):
     type: Literal["redacted_thinking"]
     data: str = ""
 
@@ -75,14 +73,14 @@ ContentBlockParam = Annotated[
 ]
 
 
-class MessageParam(_Wire):
+class MessageParam(WireModel):
     """One input message. ``system`` entries inside ``messages`` are accepted (Claude Code sends them)."""
 
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlockParam]
 
 
-class ToolParam(_Wire):
+class ToolParam(WireModel):
     """A client tool (``input_schema``); Anthropic's server tools (``web_search_…``, ``bash_…``) have a
     ``type`` and no schema: this server cannot run them, so they are not offered to the model."""
 
@@ -92,13 +90,13 @@ class ToolParam(_Wire):
     type: str | None = None
 
 
-class ToolChoiceParam(_Wire):
+class ToolChoiceParam(WireModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(_Wire):
+class MessagesRequest(WireModel):
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -114,7 +112,7 @@ class MessagesRequest(_Wire):
     thinking: dict[str, Any] | None = Field(None, description="accepted; the model's reasoning parser decides")
 
 
-class CountTokensRequest(_Wire):
+class CountTokensRequest(WireModel):
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlockParam] | None = None

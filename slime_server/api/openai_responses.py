@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.auth import Principal
@@ -43,7 +42,7 @@ from slime_server.api.responses_protocol import (
     ResponseUsage,
     new_item_id,
 )
-from slime_server.api.turn import ChatTurn, TurnResult, engine_reason
+from slime_server.api.turn import ChatTurn, TurnResult, canonical_request, engine_reason
 from slime_server.api.turn_stream import StreamDelta, turn_events
 from slime_server.buffer.schema import StoredResponse
 
@@ -130,12 +129,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]], new: l
     body = {"model": req.model, "messages": system + history + new, "tools": tools, "tool_choice": choice,
             "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "metadata": req.metadata}
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}, strict=False)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise bad_request(f"{where}: {first.get('msg')}", param=where or None) from None
+    return canonical_request(body)
 
 
 # ----------------------------------------------------------------------------- the stored chain

@@ -31,7 +31,7 @@ def now() -> int:
     return int(time.time())
 
 
-class _Wire(BaseModel):
+class WireModel(BaseModel):
     """Requests ignore unknown fields (as OpenAI does for forward compatibility) and, like OpenAI, refuse
     wrongly typed values (``"n": "2"``, ``"stream": "yes"``) instead of coercing them: the published
     schema is then exactly what is accepted."""
@@ -42,23 +42,23 @@ class _Wire(BaseModel):
 # ----------------------------------------------------------------------------- messages
 
 
-class TextContentPart(_Wire):
+class TextContentPart(WireModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Wire):
+class FunctionCall(WireModel):
     name: str
     arguments: str = Field(description="JSON-encoded arguments, exactly as the model produced them")
 
 
-class ToolCall(_Wire):
+class ToolCall(WireModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Wire):
+class ChatMessage(WireModel):
     """One input message; ``role`` is checked here so an invalid role is a 400, not a template error."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -75,23 +75,23 @@ class ChatMessage(_Wire):
         return self.content
 
 
-class FunctionDefinition(_Wire):
+class FunctionDefinition(WireModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Wire):
+class Tool(WireModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(_Wire):
+class NamedFunction(WireModel):
     name: str
 
 
-class NamedToolChoice(_Wire):
+class NamedToolChoice(WireModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
@@ -99,14 +99,14 @@ class NamedToolChoice(_Wire):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class StreamOptions(_Wire):
+class StreamOptions(WireModel):
     include_usage: bool = False
 
 
 # ----------------------------------------------------------------------------- chat request
 
 
-class ChatCompletionRequest(_Wire):
+class ChatCompletionRequest(WireModel):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
@@ -223,7 +223,7 @@ class ChatCompletionChunk(BaseModel):
 # ----------------------------------------------------------------------------- completions
 
 
-class CompletionRequest(_Wire):
+class CompletionRequest(WireModel):
     model: str
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
     max_tokens: int = Field(16, ge=1)
@@ -292,7 +292,7 @@ class ErrorResponse(BaseModel):
 # ----------------------------------------------------------------------------- sessions REST
 
 
-class CreateSessionRequest(_Wire):
+class CreateSessionRequest(WireModel):
     group_id: str | None = Field(None, max_length=200)
     metadata: dict[str, Any] = Field(default_factory=dict)
     with_key: bool = Field(False, description="also mint a per-session API key that reaches only this session")
@@ -305,7 +305,7 @@ class SessionCreated(BaseModel):
     api_key: str | None = Field(None, description="shown once; only its hash is stored")
 
 
-class RewardRequest(_Wire):
+class RewardRequest(WireModel):
     """A scalar reward for the whole session, or one reward per turn (in turn order)."""
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one of the two (else 400)
@@ -321,7 +321,7 @@ class RewardResult(BaseModel):
     changed: bool
 
 
-class FeedbackRequest(_Wire):
+class FeedbackRequest(WireModel):
     model_config = ConfigDict(json_schema_extra={"anyOf": [  # a thumb, a score or both (else 400)
         {"required": ["thumb"], "properties": {"thumb": {"enum": ["up", "down"]}}},
         {"required": ["score"], "properties": {"score": {"type": "number"}}}]})

@@ -15,35 +15,33 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from slime_server.api.protocol import WireModel
+
 
 def new_item_id(prefix: str) -> str:
     """OpenAI-style ids: ``resp_…``, ``msg_…``, ``fc_…``, ``rs_…``."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class _Wire(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
 # ----------------------------------------------------------------------------- input items
 
 
-class InputText(_Wire):
+class InputText(WireModel):
     type: Literal["input_text"]
     text: str
 
 
-class OutputTextParam(_Wire):
+class OutputTextParam(WireModel):
     type: Literal["output_text"]
     text: str
 
 
-class RefusalParam(_Wire):
+class RefusalParam(WireModel):
     type: Literal["refusal"]
     refusal: str
 
 
-class UnsupportedPart(_Wire):
+class UnsupportedPart(WireModel):
     """``input_image``, ``input_file``, ``input_audio``: refused with a 400 naming the part."""
 
     model_config = ConfigDict(extra="allow", strict=True)
@@ -62,7 +60,7 @@ ContentPart = Annotated[
 ]
 
 
-class MessageItem(_Wire):
+class MessageItem(WireModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
@@ -70,7 +68,7 @@ class MessageItem(_Wire):
     status: str | None = None
 
 
-class FunctionCallItem(_Wire):
+class FunctionCallItem(WireModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -79,7 +77,7 @@ class FunctionCallItem(_Wire):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Wire):
+class FunctionCallOutputItem(WireModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[ContentPart]
@@ -87,12 +85,12 @@ class FunctionCallOutputItem(_Wire):
     status: str | None = None
 
 
-class ReasoningText(_Wire):
+class ReasoningText(WireModel):
     type: str = "reasoning_text"
     text: str
 
 
-class ReasoningItem(_Wire):
+class ReasoningItem(WireModel):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
@@ -100,7 +98,7 @@ class ReasoningItem(_Wire):
     encrypted_content: str | None = None
 
 
-class OtherItem(_Wire):
+class OtherItem(WireModel):
     """Any other item type (``item_reference``, hosted-tool calls): refused with a 400 naming it."""
 
     model_config = ConfigDict(extra="allow", strict=True)
@@ -123,7 +121,7 @@ InputItem = Annotated[
 # ----------------------------------------------------------------------------- tools, options
 
 
-class FunctionTool(_Wire):
+class FunctionTool(WireModel):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
@@ -131,7 +129,7 @@ class FunctionTool(_Wire):
     strict: bool | None = None
 
 
-class HostedTool(_Wire):
+class HostedTool(WireModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
 
@@ -147,22 +145,22 @@ ToolParam = Annotated[
 ]
 
 
-class FunctionToolChoice(_Wire):
+class FunctionToolChoice(WireModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Wire):
+class TextFormat(WireModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text", "json_object", "json_schema"] = "text"
 
 
-class TextConfig(_Wire):
+class TextConfig(WireModel):
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class ResponsesRequest(_Wire):
+class ResponsesRequest(WireModel):
     model: str
     input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+from pydantic import ValidationError
 
 from slime_server.api import recording
 from slime_server.api.auth import Principal
@@ -44,6 +45,17 @@ MIN_TOP_P = 1e-6  # smaller top_p values are sent as this (see sampling_params)
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+def canonical_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """Another API's request as the canonical chat request (None fields left out); a field the chat request
+    refuses is a 400 naming it, as the other API called it where the names agree."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}, strict=False)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise bad_request(f"{where}: {first.get('msg')}", param=where or None) from None
 
 
 def check_model(gw: Gateway, model: str) -> None:
