@@ -120,6 +120,9 @@ class GatewaySettings(_Section):
     engine_supports_penalties: bool = Field(
         False, description="SGLang engines do; the built-in CPU engine does not (requests then get a 400)")
     engine_timeout_s: float = Field(600.0, gt=0)
+    session_idle_timeout_s: float | None = Field(
+        3600.0, gt=0, description="an open session with no turn or reward for this long is closed (its "
+        "trajectories become trainable, later turns get 409); None = never")
     max_continuations: int = Field(3, ge=0, description="partial rollouts: how often a generation an engine "
                                    "aborted on its own (weight update, restart) is continued; 0 = never")
     db_path: str = Field("slime_server.db", description="trajectory store: a SQLite file, or a postgresql:// URL "

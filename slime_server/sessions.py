@@ -208,7 +208,10 @@ class SessionManager:
         with self._lock(session_id):
             session = self.store.get_or_create_session(session_id, owner=owner)
             if session.status != "open":
-                raise SessionClosedError(f"session {session_id!r} is closed")
+                raise SessionClosedError(
+                    f"session {session_id!r} is closed: it was closed, got a final reward (a scalar reward "
+                    "finishes its session unless the reward says \"final\": false) or sat idle past "
+                    "gateway.session_idle_timeout_s; start a new session for a new episode")
             trajectories = self.store.get_trajectories(session_id)
             open_ = sorted((t for t in trajectories if t.status == "open" and t.turns),
                            key=lambda t: (t.updated_at, t.segment, -t.branch), reverse=True)

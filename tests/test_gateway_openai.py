@@ -4,6 +4,7 @@ a CPU engine serving a tiny model fine-tuned (in the test) to call a tool."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,6 +200,50 @@ def test_reward_is_visible_and_idempotent(gateway: GatewayProc) -> None:
     with pytest.raises(openai.ConflictError):  # a closed session refuses new turns
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                        extra_headers={"X-Session-Id": sid})
+
+
+def test_a_scalar_reward_finishes_its_session_unless_not_final(gateway: GatewayProc) -> None:
+    client = openai_client(gateway)
+    sid = new_session(gateway)
+    url = f"{gateway.base_url}/sessions/{sid}"
+    hi = [{"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model=MODEL, messages=hi, max_tokens=3, extra_headers={"X-Session-Id": sid})
+    r = httpx.post(f"{url}/reward", json={"reward": 0.5, "final": False}, timeout=30)
+    assert r.status_code == 200 and r.json()["finished"] is False
+    assert httpx.get(url, timeout=30).json()["status"] == "open"
+    client.chat.completions.create(  # the episode goes on after a reward that is not final
+        model=MODEL, messages=[*hi, first.choices[0].message.model_dump(exclude_none=True),
+                               {"role": "user", "content": "More"}], max_tokens=3, extra_headers={"X-Session-Id": sid})
+    r = httpx.post(f"{url}/reward", json={"reward": 1.0}, timeout=30)
+    assert r.status_code == 200 and r.json()["finished"] is True
+    info = httpx.get(url, timeout=30).json()
+    assert info["status"] == "closed" and info["num_turns"] == 2
+    assert [t["status"] for t in info["trajectories"]] == ["finished"]  # trainable now
+    with pytest.raises(openai.ConflictError) as exc:
+        client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, extra_headers={"X-Session-Id": sid})
+    assert '"final": false' in exc.value.message  # the error says how to keep an episode going
+    sid2 = new_session(gateway)  # per-turn rewards may come as the episode goes on: they do not finish it
+    client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, extra_headers={"X-Session-Id": sid2})
+    r = httpx.post(f"{gateway.base_url}/sessions/{sid2}/reward", json={"turn_rewards": [1.0]}, timeout=30)
+    assert r.json()["finished"] is False and httpx.get(f"{gateway.base_url}/sessions/{sid2}").json()["status"] == "open"
+
+
+def test_idle_sessions_are_finished(router_url: str, tool_model: Path, tmp_path: Path) -> None:
+    gw = start_gateway(router_url, tool_model, tmp_path / "traj.db", tmp_path / "gateway.log",
+                       settings={"session_idle_timeout_s": 1.0})
+    try:
+        sid = new_session(gw)
+        openai_client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=2, extra_headers={"X-Session-Id": sid})
+        deadline = time.monotonic() + 30
+        while (info := httpx.get(f"{gw.base_url}/sessions/{sid}", timeout=30).json())["status"] == "open":
+            assert time.monotonic() < deadline, "the idle session was never closed"
+            time.sleep(0.2)
+        assert info["status"] == "closed" and [t["status"] for t in info["trajectories"]] == ["finished"]
+        metrics = httpx.get(f"{gw.url}/metrics", timeout=30).text
+        assert "slime_sessions_idle_closed_total 1.0" in metrics
+    finally:
+        stop_gateway(gw)
 
 
 def test_feedback_and_completions(gateway: GatewayProc) -> None:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from slime_server.trainer.loop import min_version
+from slime_server.trainer.selection import min_version
 from slime_server.utils.net import find_free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -253,6 +253,49 @@ def test_pause_resume_cancel_and_pacing(server: Any) -> None:
         r = c.post("/chat/completions", headers=mid, json={**body, "messages": [
             *body["messages"], {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]})
         assert r.status_code == 200, r.text  # the started episode finishes: its group can complete
+    cancel(server, j["id"])
+
+
+def tour_episode(server: Any, group_id: str | None = None) -> str:
+    """README's tour: a chat turn in a session, then a scalar reward (which finishes it); no close."""
+    with rest(server) as c:
+        sid = c.post("/sessions", json={"group_id": group_id} if group_id else {}).raise_for_status().json()["id"]
+        c.post("/chat/completions", headers={"X-Session-Id": sid}, json={
+            "model": Path(server.deployment.model_path).name, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}]}).raise_for_status()
+        assert c.post(f"/sessions/{sid}/reward", json={"reward": random.random()}).json()["finished"] is True
+    return sid
+
+
+def test_a_job_says_why_it_waits_and_incomplete_groups_cannot_wedge_v1(server: Any) -> None:
+    """Issue 17: groups of 2 but sessions opened without a group id (each alone in its group): the job says
+    why it does not train, the buffer fills and pacing refuses new episodes, then the incomplete groups
+    expire (dropped, counted), /v1 admits again, and grouped episodes train."""
+    drain_pool(server)
+    j = create_job(server, algorithm="grpo", pacing={"max_buffered": 3}, batch_size=2, n_samples_per_prompt=2,
+                   group_timeout_s=8, max_staleness=None)
+    wait_event(server, j["id"], "trainer_ready")  # the groups' clock must not run out while the ranks start
+    lone = [tour_episode(server) for _ in range(3)]
+    j = wait_job(server, j["id"], lambda j: "3 sessions in incomplete groups" in (j["waiting"] or ""))
+    assert j["waiting"].startswith("waiting for complete groups of 2: 0 of 2 samples ready")
+    assert j["step"] == 0
+    with admin(server) as c:
+        events = [e for e in _events(c, j["id"]) if e["kind"] == "waiting"]
+    assert events and events[-1]["data"]["reason"] == j["waiting"]
+    time.sleep(0.6)  # the buffered count is cached for 0.5 s
+    with rest(server) as c:
+        r = c.post("/sessions", json={})
+        r = c.post("/chat/completions", headers={"X-Session-Id": r.json()["id"]}, json={
+            "model": Path(server.deployment.model_path).name, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 429  # the buffer is full of groups that cannot complete
+    j = wait_job(server, j["id"], lambda j: j["dropped_incomplete"] == 3, timeout=60)
+    assert [t.consumed_step for t in store_trajectories(server, lone)] == [-1] * 3  # out of the pool, still stored
+    time.sleep(0.6)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    [tour_episode(server, group) for _ in range(2)]  # admitted again; a whole group trains
+    j = wait_job(server, j["id"], lambda j: j["step"] >= 1)
+    assert j["dropped_incomplete"] == 3
     cancel(server, j["id"])
 
 

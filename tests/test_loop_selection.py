@@ -4,6 +4,7 @@ which are outside this unit; the real ranks run in test_jobs_e2e.py)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,44 @@ def test_groups_train_only_when_complete_and_whole(store, tmp_path: Path) -> Non
     assert advs[0] < 0 < advs[1] and advs[2] < 0 < advs[3]  # GRPO within each group
     assert [store.get_trajectory(t).consumed_step for t in a + c] == [1] * 4
     assert trainer.pushes == [1] and lp.state.version == 1
+
+
+def test_a_waiting_job_says_why_and_incomplete_groups_expire(store, tmp_path: Path) -> None:
+    clock = [time.time()]
+    events: list[tuple[str, dict[str, Any]]] = []
+    trainer = RecordingTrainer()
+    lp = TrainLoop(store, lambda: trainer, EngineControl(lambda: []),
+                   LoopSettings(batch_size=2, n_samples_per_prompt=2, group_timeout_s=60, advantage={"estimator": "grpo"}),
+                   tmp_path, job_id="job-x", on_event=lambda k, d: events.append((k, d)), clock=lambda: clock[0])
+    lp.trainer = trainer
+    lone = [add(store, "x0", group="X"), add(store, "y0", group="Y")]  # each group is missing a member
+    store.create_session("open-rewarded")  # an episode rewarded but never finished
+    store.write_turn(TurnWrite(session_id="open-rewarded", trajectories=[Trajectory(
+        session_id="open-rewarded", tokens=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -0.5],
+        weight_versions=[-1, 0])]))
+    store.set_reward("open-rewarded", reward=1.0)
+    assert lp.step_once() is None
+    assert lp.state.waiting == ("waiting for complete groups of 2: 0 of 2 samples ready; 2 sessions in "
+                                "incomplete groups; 1 rewarded session still open")
+    assert [k for k, _ in events] == ["waiting"] and events[0][1]["incomplete_sessions"] == 2
+    clock[0] += 59  # not yet
+    lp._waiting_at = float("-inf")
+    assert lp.step_once() is None and lp.state.dropped_incomplete == 0
+    assert [k for k, _ in events] == ["waiting"]  # the same reason is not repeated
+    clock[0] += 2  # past the timeout: both lone members are dropped, never trained, still stored
+    assert lp.step_once() is None
+    assert lp.state.dropped_incomplete == 2
+    assert [store.get_trajectory(t).consumed_step for t in lone] == [-1, -1]
+    dropped = next(d for k, d in events if k == "dropped")
+    assert dropped["incomplete_groups"] == 2 and dropped["stale"] == 0
+    a = [add(store, f"a{i}", group="A", reward=float(i)) for i in range(2)]
+    assert lp.step_once() is not None and lp.state.waiting is None
+    assert [s.sample_id for s in trainer.batches[0]] == a
+
+
+def test_a_batch_must_hold_whole_groups() -> None:
+    with pytest.raises(ValueError, match="multiple of n_samples_per_prompt"):
+        LoopSettings(batch_size=6, n_samples_per_prompt=4)
 
 
 def test_stale_samples_dropped_downweighted_or_kept(store, tmp_path: Path) -> None:

@@ -168,7 +168,7 @@ def known_ids(live_url: str) -> dict[str, str]:
                           json={"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS})
             assert r.status_code == 200, r.text
             messages += [r.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
-        assert http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0}).status_code == 200
+        assert http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0, "final": False}).status_code == 200
         jobs = http.get("/jobs").json()["data"]  # the fuzz above made some (each failed at once: no trainer)
         job = jobs[0]["id"] if jobs else http.post("/jobs", json={"name": "fuzz"}).json()["id"]
         stored = http.post("/v1/responses", headers={"X-Session-Id": session},

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from slime_server.buffer.schema import (
     IdempotencyConflict,
     ResponseNotFound,
+    SessionClosedError,
     SessionExistsError,
     SessionNotFound,
     StaleWriteError,
@@ -115,6 +117,41 @@ def test_rewards_are_idempotent_and_per_turn(store: SQLiteTrajectoryStore) -> No
     assert bad.value.status_code == 400
     with pytest.raises(StoreError):
         store.set_reward("s")
+
+
+def test_a_final_reward_finishes_the_session_in_its_transaction(store: SQLiteTrajectoryStore) -> None:
+    store.create_session("s")
+    t = _write(store, _traj("s", [-0.5]))
+    assert store.set_reward("s", reward=0.5, idempotency_key="mid", finish=False) is True
+    assert store.get_session("s").status == "open" and store.get_trajectory(t.id).status == "open"
+    assert store.set_reward("s", reward=1.0, idempotency_key="end", finish=True) is True
+    session, traj = store.get_session("s"), store.get_trajectory(t.id)
+    assert (session.status, traj.status, traj.reward) == ("closed", "finished", 1.0)
+    assert store.set_reward("s", reward=1.0, idempotency_key="end", finish=True) is False  # a retry: no change
+    with pytest.raises(SessionClosedError):  # the episode is over: no more turns
+        _write(store, _traj("s", [-0.1], response_id="chatcmpl-late", segment=1))
+    assert store.set_reward("s", reward=0.0, finish=True) is True  # a closed session still takes rewards
+    assert store.get_trajectory(t.id).reward == 0.0
+
+
+def test_idle_sessions_are_closed_oldest_first(store: SQLiteTrajectoryStore) -> None:
+    for sid in ("a", "b"):
+        store.create_session(sid)
+        _write(store, _traj(sid, [-0.5], response_id=f"chatcmpl-{sid}"))
+        time.sleep(0.02)
+    cutoff = time.time()
+    time.sleep(0.02)
+    store.create_session("c")
+    c = _write(store, _traj("c", [-0.5], response_id="chatcmpl-c"))
+    store.create_session("closed-already")
+    store.close_session("closed-already")
+    assert store.close_idle_sessions(cutoff, limit=1) == ["a"]
+    assert store.close_idle_sessions(cutoff) == ["b"]
+    assert store.close_idle_sessions(cutoff) == []
+    assert [store.get_session(x).status for x in "abc"] == ["closed", "closed", "open"]
+    assert all(t.status == "finished" for x in "ab" for t in store.get_trajectories(x))
+    assert store.get_trajectory(c.id).status == "open"
+    assert store.close_idle_sessions(time.time() + 1) == ["c"]
 
 
 def test_feedback_and_response_lookup(store: SQLiteTrajectoryStore) -> None:

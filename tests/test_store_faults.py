@@ -151,7 +151,7 @@ def test_gateway_answers_503_and_recovers(fault: str, disk: FailingDisk, tmp_pat
         session = http.post("/v1/sessions", json={}).json()["id"]
         first = chat(http, session, "hello")
         assert first.status_code == 200, first.text
-        assert http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0}).status_code == 200
+        assert http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0, "final": False}).status_code == 200
         stored = http.get(f"/v1/sessions/{session}/trajectory").json()
         convo = [{"role": "user", "content": "hello"}, first.json()["choices"][0]["message"],
                  {"role": "user", "content": "and now?"}]
@@ -232,7 +232,7 @@ def test_real_full_disk(tmp_path: Path, router_url: str, tiny_model_path: Path) 
                 session = http.post("/v1/sessions", json={}).json()["id"]
                 acked = [chat(http, session, f"turn {i}") for i in range(3)]
                 assert all(r.status_code == 200 for r in acked), [r.text for r in acked]
-                assert http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0}).status_code == 200
+                assert http.post(f"/v1/sessions/{session}/reward", json={"reward": 1.0, "final": False}).status_code == 200
                 stored = http.get(f"/v1/sessions/{session}/trajectory").json()
 
                 filler = fill(mnt / "filler")

@@ -8,6 +8,7 @@ records every call through the session manager before answering (ARCHITECTURE de
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,6 +28,7 @@ from slime_server.api.engine_client import EngineClient
 from slime_server.api.errors import BodySizeLimitMiddleware, install_error_handlers
 from slime_server.api.gateway import Gateway
 from slime_server.config import GatewaySettings
+from slime_server.session_expiry import IdleSessionSweeper
 
 
 def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
@@ -39,7 +41,12 @@ def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        sweeper = None
+        if settings.session_idle_timeout_s is not None:
+            sweeper = asyncio.create_task(IdleSessionSweeper(store, settings.session_idle_timeout_s).run())
         yield
+        if sweeper is not None:
+            sweeper.cancel()
         await app.state.gw.engine.aclose()
 
     app = FastAPI(title="slime-server gateway", version="0.1.0", lifespan=lifespan,

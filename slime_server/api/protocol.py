@@ -314,11 +314,19 @@ class RewardRequest(WireModel):
     reward: float | None = Field(None, allow_inf_nan=False)
     turn_rewards: list[Annotated[float, Field(allow_inf_nan=False)]] | None = None
     idempotency_key: str | None = Field(None, max_length=200)
+    final: bool | None = Field(None, description="whether this reward is the episode's outcome and finishes the "
+                               "session (its trajectories become trainable; later turns get 409). Default: true "
+                               "for a scalar 'reward', false for 'turn_rewards' (they may arrive as the episode "
+                               "goes on)")
+
+    def finishes(self) -> bool:
+        return self.final if self.final is not None else self.reward is not None
 
 
 class RewardResult(BaseModel):
     session_id: str
     changed: bool
+    finished: bool = Field(False, description="the reward finished the session (see RewardRequest.final)")
 
 
 class FeedbackRequest(WireModel):

@@ -75,7 +75,8 @@ async def get_trajectory(session_id: str, gw: GW, principal: Caller) -> list[Tra
 @router.post("/sessions/{session_id}/reward", response_model=RewardResult)
 async def set_reward(session_id: str, body: RewardRequest, gw: GW, principal: Caller,
                      idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> RewardResult:
-    """Scalar (``reward``) or per-turn (``turn_rewards``); the same idempotency key twice changes nothing."""
+    """Scalar (``reward``) or per-turn (``turn_rewards``); the same idempotency key twice changes nothing.
+    A scalar reward finishes the session unless the body says ``"final": false``."""
     await _session(gw, principal, session_id)
     if (body.reward is None) == (body.turn_rewards is None):
         raise bad_request("give exactly one of 'reward' or 'turn_rewards'", param="reward")
@@ -83,8 +84,9 @@ async def set_reward(session_id: str, body: RewardRequest, gw: GW, principal: Ca
     if idempotency_key and body.idempotency_key and idempotency_key != body.idempotency_key:
         raise bad_request("Idempotency-Key header and body field differ", param="idempotency_key")
     changed = await run_in_threadpool(call_store, gw.store.set_reward, session_id, reward=body.reward,
-                                      turn_rewards=body.turn_rewards, idempotency_key=key)
-    return RewardResult(session_id=session_id, changed=bool(changed))
+                                      turn_rewards=body.turn_rewards, idempotency_key=key,
+                                      finish=body.finishes())
+    return RewardResult(session_id=session_id, changed=bool(changed), finished=body.finishes())
 
 
 @router.post("/sessions/{session_id}/close", response_model=SessionClosed)

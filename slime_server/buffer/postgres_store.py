@@ -149,6 +149,10 @@ MIGRATIONS: list[str] = [
         created_at DOUBLE PRECISION NOT NULL
     );
     """,
+    # 5: finding idle open sessions (``close_idle_sessions``) without scanning every session.
+    """
+    CREATE INDEX sessions_idle ON sessions (status, updated_at);
+    """,
 ]
 
 class PostgresTrajectoryStore(TrajectoryStore):
@@ -261,11 +265,27 @@ class PostgresTrajectoryStore(TrajectoryStore):
     def close_session(self, session_id: str) -> Session:
         def run(conn: Conn) -> Session:
             self._session(conn, session_id, lock=True)
-            t = now()
-            conn.execute("UPDATE sessions SET status = 'closed', updated_at = %s WHERE id = %s", (t, session_id))
-            conn.execute("UPDATE trajectories SET status = 'finished', updated_at = %s, revision = revision + 1 "
-                         "WHERE session_id = %s AND status = 'open'", (t, session_id))
+            self._close(conn, [session_id])
             return self._session(conn, session_id)
+        return self._write(run)
+
+    @staticmethod
+    def _close(conn: Conn, session_ids: list[str]) -> None:
+        if not session_ids:
+            return
+        t = now()
+        conn.execute("UPDATE sessions SET status = 'closed', updated_at = %s WHERE id = ANY(%s)", (t, session_ids))
+        conn.execute("UPDATE trajectories SET status = 'finished', updated_at = %s, revision = revision + 1 "
+                     "WHERE session_id = ANY(%s) AND status = 'open'", (t, session_ids))
+
+    def close_idle_sessions(self, idle_since: float, limit: int = 1000) -> list[str]:
+        def run(conn: Conn) -> list[str]:
+            # SKIP LOCKED: a session another replica is writing right now is not idle; it waits for the next sweep
+            rows = conn.execute("SELECT id FROM sessions WHERE status = 'open' AND updated_at < %s "
+                                "ORDER BY updated_at LIMIT %s FOR UPDATE SKIP LOCKED", (idle_since, limit)).fetchall()
+            ids = [r["id"] for r in rows]
+            self._close(conn, ids)
+            return ids
         return self._write(run)
 
     # ---------------------------------------------------------------- trajectories
@@ -396,7 +416,8 @@ class PostgresTrajectoryStore(TrajectoryStore):
 
     # ---------------------------------------------------------------- rewards and feedback
     def set_reward(self, session_id: str, *, reward: float | None = None,
-                   turn_rewards: list[float] | None = None, idempotency_key: str | None = None) -> bool:
+                   turn_rewards: list[float] | None = None, idempotency_key: str | None = None,
+                   finish: bool = False) -> bool:
         if reward is None and turn_rewards is None:
             raise StoreError("give a reward or turn_rewards")
         event = RewardEvent(idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}", session_id=session_id,
@@ -418,6 +439,8 @@ class PostgresTrajectoryStore(TrajectoryStore):
                                               "a different reward")
                 return False
             self._apply_reward(conn, session_id, reward, turn_rewards)
+            if finish:
+                self._close(conn, [session_id])
             return True
         return self._write(run)
 

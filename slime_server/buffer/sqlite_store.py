@@ -132,6 +132,10 @@ MIGRATIONS: list[str] = [
         created_at REAL NOT NULL
     );
     """,
+    # 5: finding idle open sessions (``close_idle_sessions``) without scanning every session.
+    """
+    CREATE INDEX sessions_idle ON sessions (status, updated_at);
+    """,
 ]
 
 class SQLiteTrajectoryStore(TrajectoryStore):
@@ -213,11 +217,23 @@ class SQLiteTrajectoryStore(TrajectoryStore):
     def close_session(self, session_id: str) -> Session:
         with self._write() as conn:
             self._session(conn, session_id)
-            t = now()
+            self._close(conn, [session_id])
+            return self._session(conn, session_id)
+
+    @staticmethod
+    def _close(conn: sqlite3.Connection, session_ids: list[str]) -> None:
+        t = now()
+        for session_id in session_ids:
             conn.execute("UPDATE sessions SET status = 'closed', updated_at = ? WHERE id = ?", (t, session_id))
             conn.execute("UPDATE trajectories SET status = 'finished', updated_at = ?, revision = revision + 1 "
                          "WHERE session_id = ? AND status = 'open'", (t, session_id))
-            return self._session(conn, session_id)
+
+    def close_idle_sessions(self, idle_since: float, limit: int = 1000) -> list[str]:
+        with self._write() as conn:
+            ids = [r[0] for r in conn.execute("SELECT id FROM sessions WHERE status = 'open' AND updated_at < ? "
+                                              "ORDER BY updated_at LIMIT ?", (idle_since, limit)).fetchall()]
+            self._close(conn, ids)
+        return ids
 
     # ---------------------------------------------------------------- trajectories
     def get_trajectories(self, session_id: str) -> list[Trajectory]:
@@ -348,7 +364,8 @@ class SQLiteTrajectoryStore(TrajectoryStore):
 
     # ---------------------------------------------------------------- rewards and feedback
     def set_reward(self, session_id: str, *, reward: float | None = None,
-                   turn_rewards: list[float] | None = None, idempotency_key: str | None = None) -> bool:
+                   turn_rewards: list[float] | None = None, idempotency_key: str | None = None,
+                   finish: bool = False) -> bool:
         if reward is None and turn_rewards is None:
             raise StoreError("give a reward or turn_rewards")
         event = RewardEvent(idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}", session_id=session_id,
@@ -368,6 +385,8 @@ class SQLiteTrajectoryStore(TrajectoryStore):
                                                     None if turn_rewards is None else json.dumps(turn_rewards),
                                                     event.created_at))
             self._apply_reward(conn, session_id, reward, turn_rewards)
+            if finish:
+                self._close(conn, [session_id])
         return True
 
     @staticmethod

@@ -79,6 +79,12 @@ class TrajectoryStore(ABC):
     def close_session(self, session_id: str) -> Session:
         """Close the session and finish its open trajectories (idempotent)."""
 
+    @abstractmethod
+    def close_idle_sessions(self, idle_since: float, limit: int = 1000) -> list[str]:
+        """Close up to ``limit`` open sessions last written before ``idle_since`` (epoch seconds), oldest
+        first, finishing their open trajectories; returns their ids. Why: an agent that never closes its
+        sessions must not leave its rewarded episodes out of training for ever."""
+
     # ---------------------------------------------------------------- trajectories
     @abstractmethod
     def get_trajectories(self, session_id: str) -> list[Trajectory]:
@@ -131,8 +137,10 @@ class TrajectoryStore(ABC):
     # ---------------------------------------------------------------- rewards and feedback
     @abstractmethod
     def set_reward(self, session_id: str, *, reward: float | None = None,
-                   turn_rewards: list[float] | None = None, idempotency_key: str | None = None) -> bool:
-        """Apply a reward to the session's trajectories.
+                   turn_rewards: list[float] | None = None, idempotency_key: str | None = None,
+                   finish: bool = False) -> bool:
+        """Apply a reward to the session's trajectories (and with ``finish`` close the session in the same
+        transaction: the reward is the episode's outcome).
 
         ``reward`` sets every trajectory's scalar reward; ``turn_rewards[i]`` is the reward of the
         session's i-th response (commit order) and lands on the turns that recorded it. A later

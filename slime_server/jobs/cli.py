@@ -87,8 +87,12 @@ class TrainCommand:
 def follow(c: httpx.Client, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
     """Print a line per new step and eval until the job ends; print the summary; return the final job."""
     seen_steps = seen_evals = 0
+    waiting: str | None = None
     while True:
         job = c.get(f"/jobs/{job_id}").raise_for_status().json()
+        if job.get("waiting") and job["waiting"] != waiting:  # why no step comes (incomplete groups, ...)
+            print(job["waiting"], flush=True)
+        waiting = job.get("waiting")
         metrics = c.get(f"/jobs/{job_id}/metrics").raise_for_status().json()
         for row in metrics[seen_steps:]:
             m = row["metrics"]

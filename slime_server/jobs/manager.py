@@ -240,7 +240,7 @@ class JobManager:
             evaluator.maybe_run(state.step, state.version)
 
         def on_event(kind: str, data: dict[str, Any]) -> None:
-            if kind in ("checkpoint", "dropped", "resumed", "trainer_ready"):
+            if kind in ("checkpoint", "dropped", "resumed", "trainer_ready", "waiting"):
                 self.jobs.update_job(row.id, state=loop.state.model_dump())
             self._event(row.id, kind, data)
             if kind == "trainer_ready" and data.get("step") == 0:  # the base policy's score, before training
@@ -285,7 +285,7 @@ class JobManager:
     def _run(self, job_id: str) -> None:
         run = self._running[job_id]
         loop = run.loop
-        dropped = (loop.state.dropped_stale, loop.state.dropped_zero_variance)
+        dropped = (loop.state.dropped_stale, loop.state.dropped_zero_variance, loop.state.dropped_incomplete)
         try:
             if self._row(job_id).status == "queued":
                 self.jobs.update_job(job_id, status="running")
@@ -305,6 +305,7 @@ class JobManager:
         finally:
             JOB_DROPPED.labels(job_id, "stale").inc(loop.state.dropped_stale - dropped[0])
             JOB_DROPPED.labels(job_id, "zero_variance").inc(loop.state.dropped_zero_variance - dropped[1])
+            JOB_DROPPED.labels(job_id, "incomplete_group").inc(loop.state.dropped_incomplete - dropped[2])
             try:
                 loop.close()
             except Exception:  # noqa: BLE001

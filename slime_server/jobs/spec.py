@@ -154,8 +154,11 @@ class JobView(BaseModel):
     checkpoints: list[dict[str, Any]]
     dropped_stale: int
     dropped_zero_variance: int
+    dropped_incomplete: int
     downweighted: int
     restarts: int
+    waiting: str | None = Field(None, description="why the job is not training now (None: it is, or it "
+                                "has not looked at the buffer yet)")
     error: str | None
     created_at: float
     updated_at: float
@@ -166,5 +169,6 @@ def view(row: JobRow) -> JobView:
     return JobView(id=row.id, name=row.spec.get("name"), status=row.status, spec=row.spec, step=st.step,
                    policy_version=st.version, checkpoints=[c.model_dump() for c in st.checkpoints],
                    dropped_stale=st.dropped_stale, dropped_zero_variance=st.dropped_zero_variance,
-                   downweighted=st.downweighted, restarts=st.restarts, error=row.error,
+                   dropped_incomplete=st.dropped_incomplete, downweighted=st.downweighted, restarts=st.restarts,
+                   waiting=st.waiting if row.status == "running" else None, error=row.error,
                    created_at=row.created_at, updated_at=row.updated_at)

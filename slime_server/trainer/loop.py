@@ -57,6 +57,7 @@ from slime_server.trainer.advantages import (
     ppo_advantages,
 )
 from slime_server.trainer.critic import explained_variance
+from slime_server.trainer.selection import Selection, select, wait_reason
 from slime_server.trainer.types import TrainSample
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ class LoopSettings(BaseModel):
     stale_decay: float = Field(0.5, gt=0, le=1, description="downweight: advantage x decay ** (lag - max)")
     drop_zero_variance_groups: bool = Field(False, description="DAPO dynamic sampling: skip groups whose "
                                             "rewards are all equal (they carry no GRPO signal)")
+    group_timeout_s: float | None = Field(600.0, gt=0, description="a group still short of n_samples_per_prompt "
+                                          "members this long after its newest member finished is dropped (counted "
+                                          "in dropped_incomplete); None = wait for ever")
     num_steps_per_rollout: int = Field(1, ge=1, description="optimizer steps per batch (slime's name): the batch "
                                        "is cut into this many mini-batches, trained in turn against log-probs "
                                        "recomputed once before the first (so the PPO ratio and clip act)")
@@ -95,6 +99,9 @@ class LoopSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> LoopSettings:
+        if self.batch_size % self.n_samples_per_prompt:  # whole groups only: the last one would never fit
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of n_samples_per_prompt "
+                             f"({self.n_samples_per_prompt})")
         if self.batch_size % self.num_steps_per_rollout:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of num_steps_per_rollout "
                              f"({self.num_steps_per_rollout})")
@@ -137,19 +144,15 @@ class LoopState(BaseModel):
     checkpoints: list[Checkpoint] = Field(default_factory=list)
     dropped_stale: int = 0
     dropped_zero_variance: int = 0
+    dropped_incomplete: int = 0
     downweighted: int = 0
     restarts: int = 0
+    waiting: str | None = None  # why the last look at the buffer found no batch (None: training)
 
 
 class Batch(BaseModel):
     trajectories: list[Trajectory]
     lags: list[int]
-
-
-def min_version(t: Trajectory) -> int | None:
-    """Version of the oldest policy that generated a token of ``t`` (None: nothing generated)."""
-    versions = [v for v, m in zip(t.weight_versions, t.loss_mask, strict=True) if m and v >= 0]
-    return min(versions) if versions else None
 
 
 def to_train_sample(t: Trajectory) -> TrainSample:
@@ -202,8 +205,11 @@ class TrainLoop:
                  settings: LoopSettings, checkpoint_dir: str | Path, *, state: LoopState | None = None,
                  on_step: Callable[[LoopState, dict[str, float]], None] | None = None,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None, job_id: str | None = None,
-                 push_guard: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+                 push_guard: Callable[[], AbstractContextManager[Any]] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.store = store
+        self.clock = clock  # wall time, compared with the store's updated_at (group_timeout_s)
+        self._waiting_at = float("-inf")  # when the wait reason was last worked out (it costs a query)
         self.job_id = job_id  # whose consumption this is (a restart releases only its own)
         self.make_trainer = make_trainer
         self.engines = engines
@@ -302,48 +308,46 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ one step
     def select_batch(self) -> Batch | None:
-        """Whole groups, oldest first, until ``batch_size``; stale and zero-variance groups handled here."""
+        """Whole groups, oldest first, until ``batch_size`` (rules: ``trainer/selection.py``); drops what
+        must go, and says why it waits when the batch is not whole."""
         s = self.settings
         pool = self.store.list_trajectories(status="finished", rewarded=True, unconsumed=True,
                                             limit=max(4 * s.batch_size, 256))
-        groups: dict[str, list[Trajectory]] = {}
-        for t in pool:
-            groups.setdefault(t.group_id or t.id, []).append(t)
-        chosen: list[Trajectory] = []
-        lags: list[int] = []
-        drop_stale: list[str] = []
-        drop_flat: list[str] = []
-        for members in groups.values():
-            if len(members) < s.n_samples_per_prompt:
-                continue  # wait for the rest of the group
-            members = members[: s.n_samples_per_prompt]
-            versions = [min_version(t) for t in members]
-            if any(v is None for v in versions):  # nothing generated: nothing to learn
-                drop_flat += [t.id for t in members]
-                continue
-            lag = self.state.version - min(v for v in versions if v is not None)
-            if s.max_staleness is not None and lag > s.max_staleness and s.stale_policy == "drop":
-                drop_stale += [t.id for t in members]
-                continue
-            if s.drop_zero_variance_groups and len(members) > 1 and len({t.reward for t in members}) == 1:
-                drop_flat += [t.id for t in members]
-                continue
-            if len(chosen) + len(members) > s.batch_size:
-                break
-            chosen += members
-            lags += [self.state.version - (v if v is not None else 0) for v in versions]
-            if len(chosen) == s.batch_size:
-                break
-        if drop_stale or drop_flat:
-            stale = self.store.mark_consumed(drop_stale, DROPPED_STEP, self.job_id) if drop_stale else 0
-            flat = self.store.mark_consumed(drop_flat, DROPPED_STEP, self.job_id) if drop_flat else 0
+        sel = select(pool, batch_size=s.batch_size, group_size=s.n_samples_per_prompt, version=self.state.version,
+                     max_staleness=s.max_staleness, stale_policy=s.stale_policy,
+                     drop_zero_variance=s.drop_zero_variance_groups, group_timeout_s=s.group_timeout_s,
+                     now=self.clock())
+        if sel.drop_stale or sel.drop_flat or sel.drop_incomplete:
+            mark = lambda ids: self.store.mark_consumed(ids, DROPPED_STEP, self.job_id) if ids else 0  # noqa: E731
+            stale, flat, incomplete = mark(sel.drop_stale), mark(sel.drop_flat), mark(sel.drop_incomplete)
             self.state.dropped_stale += stale
             self.state.dropped_zero_variance += flat
-            self.on_event("dropped", {"stale": stale, "zero_variance_or_empty": flat,
+            self.state.dropped_incomplete += incomplete
+            self.on_event("dropped", {"stale": stale, "zero_variance_or_empty": flat, "incomplete_groups": incomplete,
                                       "version": self.state.version})
-        if len(chosen) < s.batch_size:
+        if not sel.complete(s.batch_size):
+            self._note_waiting(sel)
             return None
-        return Batch(trajectories=chosen, lags=lags)
+        self.state.waiting = None
+        return Batch(trajectories=sel.chosen, lags=sel.lags)
+
+    def _note_waiting(self, sel: Selection) -> None:
+        """Work out why there is no batch (at most every 2 s: it reads the open sessions) and tell the job
+        when the reason changes."""
+        now = time.monotonic()
+        if now - self._waiting_at < 2.0:
+            return
+        self._waiting_at = now
+        s = self.settings
+        open_rewarded = {t.session_id for t in self.store.list_trajectories(status="open", rewarded=True,
+                                                                            unconsumed=True, limit=10_000)}
+        reason = wait_reason(sel, batch_size=s.batch_size, group_size=s.n_samples_per_prompt,
+                             open_rewarded_sessions=len(open_rewarded))
+        if reason != self.state.waiting:
+            self.state.waiting = reason
+            self.on_event("waiting", {"reason": reason, "ready": len(sel.chosen),
+                                      "incomplete_sessions": sel.incomplete_sessions,
+                                      "open_rewarded_sessions": len(open_rewarded)})
 
     def step_once(self) -> dict[str, float] | None:
         """Train on one batch if there is one; returns the step's metrics (None: not enough data yet)."""

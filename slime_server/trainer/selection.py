@@ -1,0 +1,93 @@
+"""Which buffered trajectories the next train step takes, which it drops, and why it is waiting.
+
+Why apart from the loop: it is pure (trajectories in, a decision out), so every rule is tested on
+its own, and the loop keeps reading as the algorithm. The rules, in order, for each group of
+finished, rewarded, unconsumed trajectories (oldest first):
+
+- incomplete (fewer than ``group_size`` members): wait for the rest, unless the group has not
+  grown for ``group_timeout_s`` seconds; then it is dropped (a client that never completes its
+  groups, or an episode that failed, must not hold data, or pacing's buffer, for ever);
+- nothing generated: dropped (nothing to learn);
+- older than ``max_staleness`` versions with the ``drop`` policy: dropped;
+- all rewards equal with ``drop_zero_variance``: dropped (no GRPO signal);
+- otherwise taken, whole, until ``batch_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, Field
+
+from slime_server.buffer.schema import Trajectory
+
+
+def min_version(t: Trajectory) -> int | None:
+    """Version of the oldest policy that generated a token of ``t`` (None: nothing generated)."""
+    versions = [v for v, m in zip(t.weight_versions, t.loss_mask, strict=True) if m and v >= 0]
+    return min(versions) if versions else None
+
+
+class Selection(BaseModel):
+    """One pass over the pool: the batch (if whole), what to drop, and counts for the wait reason."""
+
+    chosen: list[Trajectory] = Field(default_factory=list)
+    lags: list[int] = Field(default_factory=list)
+    drop_stale: list[str] = Field(default_factory=list)
+    drop_flat: list[str] = Field(default_factory=list)  # zero variance, or nothing generated
+    drop_incomplete: list[str] = Field(default_factory=list)
+    incomplete_sessions: int = 0  # sessions whose group is still waiting for members
+
+    def complete(self, batch_size: int) -> bool:
+        return len(self.chosen) == batch_size
+
+
+def select(pool: Sequence[Trajectory], *, batch_size: int, group_size: int, version: int,
+           max_staleness: int | None, stale_policy: str, drop_zero_variance: bool,
+           group_timeout_s: float | None, now: float) -> Selection:
+    """Apply the rules above to ``pool`` (in buffer order) at policy ``version`` and wall time ``now``."""
+    groups: dict[str, list[Trajectory]] = {}
+    for t in pool:
+        groups.setdefault(t.group_id or t.id, []).append(t)
+    out = Selection()
+    for members in groups.values():
+        if len(members) < group_size:
+            newest = max(t.updated_at for t in members)
+            if group_timeout_s is not None and now - newest > group_timeout_s:
+                out.drop_incomplete += [t.id for t in members]
+            else:
+                out.incomplete_sessions += len({t.session_id for t in members})
+            continue
+        if len(out.chosen) == batch_size:
+            continue  # full: the rest only matter for what must be dropped
+        members = members[:group_size]
+        versions = [min_version(t) for t in members]
+        if any(v is None for v in versions):
+            out.drop_flat += [t.id for t in members]
+            continue
+        lag = version - min(v for v in versions if v is not None)
+        if max_staleness is not None and lag > max_staleness and stale_policy == "drop":
+            out.drop_stale += [t.id for t in members]
+            continue
+        if drop_zero_variance and len(members) > 1 and len({t.reward for t in members}) == 1:
+            out.drop_flat += [t.id for t in members]
+            continue
+        if len(out.chosen) + len(members) > batch_size:
+            continue
+        out.chosen += members
+        out.lags += [version - (v if v is not None else 0) for v in versions]
+    return out
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def wait_reason(selection: Selection, *, batch_size: int, group_size: int, open_rewarded_sessions: int) -> str:
+    """What a job that cannot train yet tells its user (status and events)."""
+    head = f"waiting for complete groups of {group_size}" if group_size > 1 else "waiting for data"
+    parts = [f"{len(selection.chosen)} of {batch_size} samples ready"]
+    if group_size > 1:
+        parts.append(f"{_count(selection.incomplete_sessions, 'session')} in incomplete groups")
+    parts.append(f"{_count(open_rewarded_sessions, 'rewarded session')} still open")
+    return f"{head}: " + "; ".join(parts)
