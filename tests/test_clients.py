@@ -27,6 +27,7 @@ from _gateway_helpers import (
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(300)
+SYSTEM = "You are a helpful assistant."  # the agents' instructions
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +54,43 @@ def _trajectories(gw: GatewayProc, sid: str) -> list[dict]:
     return httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30).raise_for_status().json()
 
 
-def _check_token_exact(traj: dict, tool_model: Path, n_turns: int) -> list[str]:
-    """The stored ids are the chat template's rendering of the stored messages; generated spans carry
-    mask 1 and an engine logprob; returns the decoded generated spans."""
+def _check_token_exact(traj: dict, tool_model: Path, conversation: list[dict], tools: list[dict]) -> list[str]:
+    """Re-renders, with HF's ``apply_chat_template`` (not the server's renderer), what the client sent:
+    ``conversation`` is the messages of its last request (``tools`` as it sent them). The first prompt's
+    stored ids are exactly the template's ids for the first request; every later turn's context (the
+    tokens between the previous turn's output and its own) is exactly the tail of the template's text for
+    that request, and holds the messages added since; the generated spans carry mask 1 and an engine
+    log-prob, and nothing else does. Returns the decoded generated spans."""
     tok = AutoTokenizer.from_pretrained(tool_model)
-    assert len(traj["turns"]) == n_turns
+    assistants = [i for i, m in enumerate(conversation) if m["role"] == "assistant"]
+    requests = [conversation[:i] for i in assistants] + [conversation]
+    turns, tokens = traj["turns"], traj["tokens"]
+    assert len(turns) == len(requests)
+    first = tok.apply_chat_template(requests[0], tools=tools, add_generation_prompt=True, tokenize=True,
+                                    return_dict=True)["input_ids"]
+    assert tokens[: turns[0]["output_start"]] == list(first)
+    for k in range(1, len(turns)):
+        context = tok.decode(tokens[turns[k - 1]["output_end"]: turns[k]["output_start"]], skip_special_tokens=False)
+        full = tok.apply_chat_template(requests[k], tools=tools, add_generation_prompt=True, tokenize=False)
+        assert context and full.endswith(context), (context, full[-len(context) - 40:])
+        for m in requests[k][assistants[k - 1] + 1:]:
+            assert m["content"] in context
     mask, lps = traj["loss_mask"], traj["rollout_logprobs"]
     spans = []
-    for t in traj["turns"]:
+    for t in turns:
         assert all(mask[i] == 1 and lps[i] <= 0.0 for i in range(t["output_start"], t["output_end"]))
         assert not any(mask[t["prompt_start"]:t["output_start"]])
-        spans.append(tok.decode(traj["tokens"][t["output_start"]:t["output_end"]], skip_special_tokens=False))
-    assert sum(mask) == sum(t["output_end"] - t["output_start"] for t in traj["turns"])
+        spans.append(tok.decode(tokens[t["output_start"]:t["output_end"]], skip_special_tokens=False))
+    assert sum(mask) == sum(t["output_end"] - t["output_start"] for t in turns)
     return spans
+
+
+def _weather_call_and_result(system: str | None = None) -> list[dict]:
+    """What a client sends after the model called get_weather(city="Paris") and the tool answered."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": TOOL_USER},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": TOOL_RESULT}]
 
 
 def get_weather(city: str) -> str:
@@ -90,7 +115,7 @@ def test_langchain_chat_openai_with_bound_tools(gateway: GatewayProc, tool_model
     assert isinstance(final.content, str)
     trajs = _trajectories(gateway, sid)
     assert len(trajs) == 1  # call, tool result and answer merged into one trajectory
-    spans = _check_token_exact(trajs[0], tool_model, 2)
+    spans = _check_token_exact(trajs[0], tool_model, _weather_call_and_result(), [WEATHER_TOOL])
     assert "<tool_call>" in spans[0] and json.loads(spans[0].split("<tool_call>")[1].split("</tool_call>")[0]) == {
         "name": "get_weather", "arguments": {"city": "Paris"}}
     assert final.content.strip() and final.content in spans[1]  # a real answer, and the one stored
@@ -122,7 +147,7 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(gateway: GatewayProc, tool_mo
     async def run() -> str:
         client = AsyncOpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0,
                              default_headers={"X-Session-Id": sid})
-        agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[weather],
+        agent = Agent(name="weather", instructions=SYSTEM, tools=[weather],
                       model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
                       model_settings=ModelSettings(temperature=0, max_tokens=48))
         try:
@@ -135,7 +160,8 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(gateway: GatewayProc, tool_mo
     assert calls == ["Paris"]  # the SDK parsed the model's call and ran the tool
     trajs = _trajectories(gateway, sid)
     assert len(trajs) == 1
-    spans = _check_token_exact(trajs[0], tool_model, 2)
+    agents_tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": False}}  # as the SDK sends it
+    spans = _check_token_exact(trajs[0], tool_model, _weather_call_and_result(SYSTEM), [agents_tool])
     assert '"get_weather"' in spans[0]
     assert final.strip() and final in spans[1]  # a real answer, and the one stored
 
@@ -163,7 +189,7 @@ def test_openai_agents_sdk_with_the_responses_model(gateway: GatewayProc, tool_m
     async def run() -> str:
         client = AsyncOpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0,
                              default_headers={"X-Session-Id": sid})
-        agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[weather],
+        agent = Agent(name="weather", instructions=SYSTEM, tools=[weather],
                       model=OpenAIResponsesModel(model=MODEL, openai_client=client),
                       model_settings=ModelSettings(temperature=0, max_tokens=48), tool_use_behavior="stop_on_first_tool")
         try:
@@ -176,7 +202,8 @@ def test_openai_agents_sdk_with_the_responses_model(gateway: GatewayProc, tool_m
     assert calls == ["Paris"] and final == TOOL_RESULT  # the SDK parsed our function_call item and ran the tool
     trajs = _trajectories(gateway, sid)
     assert len(trajs) == 1
-    (span,) = _check_token_exact(trajs[0], tool_model, 1)
+    responses_tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": False}}
+    (span,) = _check_token_exact(trajs[0], tool_model, _weather_call_and_result(SYSTEM)[:2], [responses_tool])
     assert json.loads(span.split("<tool_call>")[1].split("</tool_call>")[0]) == {
         "name": "get_weather", "arguments": {"city": "Paris"}}
 
@@ -198,7 +225,7 @@ def test_langchain_chat_anthropic_with_bound_tools(gateway: GatewayProc, tool_mo
     final = agent_llm.invoke(messages)
     trajs = _trajectories(gateway, sid)
     assert len(trajs) == 1  # call, tool result and answer merged into one trajectory
-    spans = _check_token_exact(trajs[0], tool_model, 2)
+    spans = _check_token_exact(trajs[0], tool_model, _weather_call_and_result(), [WEATHER_TOOL])
     assert json.loads(spans[0].split("<tool_call>")[1].split("</tool_call>")[0]) == {
         "name": "get_weather", "arguments": {"city": "Paris"}}
     text = final.content if isinstance(final.content, str) else "".join(
