@@ -123,6 +123,10 @@ class GatewaySettings(_Section):
     session_idle_timeout_s: float | None = Field(
         3600.0, gt=0, description="an open session with no turn or reward for this long is closed (its "
         "trajectories become trainable, later turns get 409); None = never")
+    engine_retries: int = Field(8, ge=0, description="a generation whose engine failed (died, unreachable: "
+                                "502/503 from the router) is sent again through the router up to this many "
+                                "times, after 0.25, 0.5, 1, 2, then 4 s (~27 s in all); 0 = answer 503 at once. "
+                                "Streamed answers are not retried once a token has left")
     max_continuations: int = Field(3, ge=0, description="partial rollouts: how often a generation an engine "
                                    "aborted on its own (weight update, restart) is continued; 0 = never")
     db_path: str = Field("slime_server.db", description="trajectory store: a SQLite file, or a postgresql:// URL "

@@ -8,6 +8,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
+from slime_server.api import partial
+from slime_server.api.engine_client import EngineError
 from slime_server.api.partial import abort_resending, generate_continuing, splice
 from slime_server.rollout.protocol import FinishReason, GenerateOutput, MetaInfo, WeightVersionSpan
 
@@ -153,3 +157,65 @@ def test_an_abort_is_sent_again_while_its_request_still_runs() -> None:
     out = asyncio.run(run())
     assert out[0].meta_info.finish_reason.type == "abort"
     assert sent[:2] == [["r-1"], ["r-1"]] and all(s == ["r-1"] for s in sent)  # r-2 was never aborted
+
+
+class _FailingEngine(_Engine):
+    """Fails the calls numbered in ``failures`` (0-based) as a dead engine behind the router does (with
+    the error ``EngineClient`` raises then); answers the others as ``_Engine`` does."""
+
+    def __init__(self, failures: dict[int, EngineError], answers: list[GenerateOutput] | None = None) -> None:
+        super().__init__(answers)
+        self.failures = failures
+
+    async def generate(self, input_ids: list[int], params: dict[str, Any], *, rid: str | None = None,
+                       **kw: Any) -> list[GenerateOutput]:
+        error = self.failures.get(len(self.calls))
+        if error is not None:
+            self.calls.append({"input_ids": input_ids, "rid": rid, "failed": True})
+            raise error
+        return await super().generate(input_ids, params, rid=rid, **kw)
+
+
+def _dead() -> EngineError:
+    return EngineError(503, "inference backend unreachable", code="engine_unavailable")
+
+
+def test_a_generation_whose_engine_failed_is_sent_again_under_a_fresh_registered_rid(monkeypatch) -> None:
+    monkeypatch.setattr(partial, "RETRY_BACKOFF_S", (0.0,))
+    eng = _FailingEngine({0: _dead(), 1: EngineError(502, "backend error 502", code="engine_error")})
+    outs, _ = asyncio.run(generate_continuing(eng.generate, PROMPT, {"max_new_tokens": 3}, rid="chat-9",
+                                              aborted_by_us=lambda r: False, max_continuations=3,
+                                              register=eng.register, engine_retries=2))
+    assert [c["rid"] for c in eng.calls] == ["chat-9", "chat-9-retry1", "chat-9-retry2"]
+    assert eng.registered == ["chat-9", "chat-9-retry1", "chat-9-retry2"]  # a session abort reaches each
+    assert outs[0].output_ids == [0, 1, 2] and all(c["input_ids"] == PROMPT for c in eng.calls)
+    # an engine-side abort, then the continuation's engine dies: only the continuation is sent again
+    eng = _FailingEngine({1: _dead()}, [_out([7, 8], [("1", 0, 2)], "abort", rid="chat-10")])
+    outs, continued = asyncio.run(generate_continuing(eng.generate, PROMPT, {"max_new_tokens": 4}, rid="chat-10",
+                                                      aborted_by_us=lambda r: False, max_continuations=3,
+                                                      register=eng.register, engine_retries=2))
+    assert [c["rid"] for c in eng.calls] == ["chat-10", "chat-10-cont0", "chat-10-cont0-retry1"]
+    assert eng.calls[2]["input_ids"] == PROMPT + [7, 8] and eng.calls[2]["params"]["max_new_tokens"] == 2
+    assert outs[0].output_ids == [7, 8, 0, 1] and continued == 1
+
+
+def test_engine_retries_stop_at_the_budget_a_refusal_or_a_session_abort(monkeypatch) -> None:
+    monkeypatch.setattr(partial, "RETRY_BACKOFF_S", (0.0,))
+
+    def run(eng: _FailingEngine, retries: int, aborted: bool = False) -> None:
+        asyncio.run(generate_continuing(eng.generate, PROMPT, {"max_new_tokens": 2}, rid="chat-11",
+                                        aborted_by_us=lambda r: aborted and len(eng.calls) > 0,
+                                        max_continuations=0, engine_retries=retries))
+
+    eng = _FailingEngine({0: _dead(), 1: _dead(), 2: _dead()})
+    with pytest.raises(EngineError) as exc:
+        run(eng, retries=2)
+    assert exc.value.status == 503 and len(eng.calls) == 3  # the first try and 2 retries
+    eng = _FailingEngine({0: EngineError(400, "engine rejected the request: too long", code="engine_rejected")})
+    with pytest.raises(EngineError):
+        run(eng, retries=5)
+    assert len(eng.calls) == 1  # the client's fault: never sent again
+    eng = _FailingEngine({0: _dead()})
+    with pytest.raises(EngineError):
+        run(eng, retries=5, aborted=True)
+    assert len(eng.calls) == 1  # the session aborted it: not sent again

@@ -105,7 +105,8 @@ class Gateway:
             outs, continued = await generate_continuing(
                 abort_resending(self.engine.generate, self.inflight.aborted, abort), input_ids, params, rid=rid,
                 aborted_by_us=self.inflight.aborted, max_continuations=self.settings.max_continuations,
-                register=register, token_bytes=self.renderer.token_bytes, **kw)
+                register=register, token_bytes=self.renderer.token_bytes,
+                engine_retries=self.settings.engine_retries, **kw)
         finally:
             for r in registered:
                 self.inflight.done(session_id, r)

@@ -7,6 +7,13 @@ it sends prompt + the tokens generated so far back through the router for the re
 token with the logprob and the policy version that produced it, so a trajectory may span two
 versions and the trainer's staleness and importance weights stay exact.
 
+Engine failures. An engine that dies (kill -9, OOM) or cannot be reached takes its generations
+with it: the router answers 502/503, or the connection drops. Nothing of a non-streamed answer has
+reached the client yet, so the gateway sends the generation again (a fresh rid, after a short
+backoff) and the router routes it to a live engine; after a continuation, only the lost part is
+generated again. ``engine_retries`` bounds it; a request the engine itself refused (400) is never
+retried.
+
 Surplus aborts. An environment or runner that over-sampled (more rollouts than the group needs)
 calls ``POST /v1/sessions/{id}/abort``: every generation in flight for that session is aborted on
 every engine (the router has no abort route; engines are found through its ``/workers`` list).
@@ -22,7 +29,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+from prometheus_client import Counter
 
+from slime_server.api.engine_client import EngineError
 from slime_server.api.token_text import join_texts
 from slime_server.rollout.protocol import (
     FinishReason,
@@ -33,6 +42,10 @@ from slime_server.rollout.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+ENGINE_RETRIES = Counter("slime_engine_retries_total", "generations sent again after their engine failed "
+                         "(died, unreachable: 502/503 from the router)")
+RETRY_BACKOFF_S = (0.25, 0.5, 1.0, 2.0, 4.0)  # then 4 s per further try
 
 
 class InflightRegistry:
@@ -148,10 +161,38 @@ def _aborted_before_sending(rid: str, prompt_len: int) -> GenerateOutput:
         prompt_tokens=prompt_len, completion_tokens=0))
 
 
+class _Retrying:
+    """``generate`` for one sample, sending a call again when its engine failed (module docstring)."""
+
+    def __init__(self, generate: Generate, rid: str | None, retries: int, aborted_by_us: Callable[[str], bool],
+                 register: Callable[[str], None] | None) -> None:
+        self.generate, self.rid, self.retries = generate, rid, retries
+        self.aborted_by_us, self.register = aborted_by_us, register
+        self.tries = 0  # retries used by this sample so far (all its calls share the budget)
+
+    async def __call__(self, input_ids: list[int], params: dict[str, Any], call_rid: str | None,
+                       kw: dict[str, Any]) -> GenerateOutput:
+        while True:
+            try:
+                return (await self.generate(input_ids, params, rid=call_rid, **kw))[0]
+            except EngineError as e:
+                if (e.status not in (502, 503) or self.tries >= self.retries
+                        or (self.rid is not None and self.aborted_by_us(self.rid))):
+                    raise
+                log.warning("engine call %s failed (%s); sending it again", call_rid, e)
+                await asyncio.sleep(RETRY_BACKOFF_S[min(self.tries, len(RETRY_BACKOFF_S) - 1)])
+                self.tries += 1
+                ENGINE_RETRIES.inc()
+                if call_rid is not None:  # a fresh rid: the failed one may still be known to a live engine
+                    call_rid = f"{call_rid.split('-retry')[0]}-retry{self.tries}"
+                    if self.register is not None:
+                        self.register(call_rid)
+
+
 async def generate_continuing(generate: Generate, input_ids: list[int], sampling_params: dict[str, Any], *,
                               rid: str | None, aborted_by_us: Callable[[str], bool], max_continuations: int,
                               register: Callable[[str], None] | None = None,
-                              token_bytes: Callable[[int], bytes] | None = None,
+                              token_bytes: Callable[[int], bytes] | None = None, engine_retries: int = 0,
                               **kw: Any) -> tuple[list[GenerateOutput], int]:
     """``generate`` every sample and continue each output an engine aborted on its own; returns
     (outputs in sample order, continuations).
@@ -166,11 +207,13 @@ async def generate_continuing(generate: Generate, input_ids: list[int], sampling
             if r is not None:
                 register(r)
     if n == 1:
-        out, continued = await _one_sample(generate, input_ids, dict(sampling_params), rids[0], aborted_by_us,
+        out, continued = await _one_sample(_Retrying(generate, rids[0], engine_retries, aborted_by_us, register),
+                                           input_ids, dict(sampling_params), rids[0], aborted_by_us,
                                            max_continuations, register, token_bytes, kw)
         return [out], continued
     tasks = [asyncio.ensure_future(_one_sample(
-        generate, input_ids, _shift_seed({**sampling_params, "n": 1}, i), r, aborted_by_us, max_continuations,
+        _Retrying(generate, r, engine_retries, aborted_by_us, register), input_ids,
+        _shift_seed({**sampling_params, "n": 1}, i), r, aborted_by_us, max_continuations,
         register, token_bytes, kw)) for i, r in enumerate(rids)]
     try:
         done = await asyncio.gather(*tasks)
@@ -182,13 +225,13 @@ async def generate_continuing(generate: Generate, input_ids: list[int], sampling
     return [o for o, _ in done], sum(c for _, c in done)
 
 
-async def _one_sample(generate: Generate, input_ids: list[int], params: dict[str, Any], rid: str | None,
+async def _one_sample(generate: _Retrying, input_ids: list[int], params: dict[str, Any], rid: str | None,
                       aborted_by_us: Callable[[str], bool], max_continuations: int,
                       register: Callable[[str], None] | None, token_bytes: Callable[[int], bytes] | None,
                       kw: dict[str, Any]) -> tuple[GenerateOutput, int]:
     if rid is not None and aborted_by_us(rid):
         return _aborted_before_sending(rid, len(input_ids)), 0
-    (out,) = (await generate(input_ids, params, rid=rid, **kw))[:1]
+    out = await generate(input_ids, params, rid, kw)
     budget = params.get("max_new_tokens")
     continued = 0
     while (_is_abort(out) and continued < max_continuations and not (rid and aborted_by_us(rid))
@@ -201,7 +244,7 @@ async def _one_sample(generate: Generate, input_ids: list[int], params: dict[str
             register(sub_rid)
             if aborted_by_us(rid):  # the abort came while we registered: do not send
                 break
-        (more,) = (await generate(input_ids + out.output_ids, more_params, rid=sub_rid, **kw))[:1]
+        more = await generate(input_ids + out.output_ids, more_params, sub_rid, kw)
         out = splice(out, more, token_bytes)
         continued += 1
     return out, continued
