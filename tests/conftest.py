@@ -5,6 +5,7 @@ an import (a module may define its own of the same name, which then wins)."""
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,13 @@ pytest_plugins = ["_gateway_helpers"]
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# tests/test_openapi_fuzz.py draws fresh examples on every run from this seed; printed in the header,
+# so a failure is replayed with SLIME_FUZZ_SEED=<seed>
+os.environ.setdefault("SLIME_FUZZ_SEED", str(random.SystemRandom().randrange(2**32)))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"fuzz seed: {os.environ['SLIME_FUZZ_SEED']} (replay with SLIME_FUZZ_SEED=...)"
 
 
 @pytest.fixture(scope="session")

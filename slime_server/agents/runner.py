@@ -65,6 +65,22 @@ class RunSummary(BaseModel):
     results: list[EpisodeResult]
 
 
+async def _post(rest: httpx.AsyncClient, path: str, body: dict[str, Any], tries: int = 4) -> httpx.Response:
+    """POST that rides out a transient server failure (502/503/504, a dropped connection: a busy store,
+    a restarting gateway) with backoff; the calls it is used for are harmless to repeat (a reward has its
+    idempotency key, a close is idempotent, a session created twice is one empty session more)."""
+    for attempt in range(tries):
+        try:
+            r = await rest.post(path, json=body)
+            if r.status_code not in (502, 503, 504) or attempt == tries - 1:
+                return r.raise_for_status()
+        except httpx.TransportError:
+            if attempt == tries - 1:
+                raise
+        await asyncio.sleep(0.5 * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
 class AgentRunner:
     def __init__(self, env: Environment, settings: RunnerSettings) -> None:
         self.env = env
@@ -123,12 +139,10 @@ class AgentRunner:
                       seed: int | None, on_episode: Callable[[EpisodeResult], None] | None = None) -> EpisodeResult:
         s = self.settings
         meta = {"env": self.env.name, **({"serve_only": True} if s.serve_only else {})}
-        r = await rest.post("/sessions", json={"group_id": group, "metadata": meta})
-        r.raise_for_status()
-        sid = r.json()["id"]
         state = self.env.reset(row)
-        final_text, turns, error = "", 0, None
+        final_text, turns, error, sid = "", 0, None, ""
         try:
+            sid = (await _post(rest, "/sessions", {"group_id": group, "metadata": meta})).json()["id"]
             for turn in range(self.env.max_turns):
                 turns = turn + 1
                 resp = await self._create(
@@ -148,10 +162,14 @@ class AgentRunner:
         except Exception as e:  # noqa: BLE001 - an episode that failed is reported, with reward 0
             reward, error = 0.0, repr(e)[:500]
             log.warning("episode %s failed: %s", sid, error)
-        if s.post_rewards and error is None:
-            (await rest.post(f"/sessions/{sid}/reward", json={"reward": reward, "idempotency_key": f"{sid}-final"})
-             ).raise_for_status()
-        (await rest.post(f"/sessions/{sid}/close")).raise_for_status()
+        try:
+            if s.post_rewards and error is None:
+                await _post(rest, f"/sessions/{sid}/reward", {"reward": reward, "idempotency_key": f"{sid}-final"})
+            if sid:
+                await _post(rest, f"/sessions/{sid}/close", {})
+        except Exception as e:  # noqa: BLE001 - one episode's failure is its own, never the whole run's
+            error = error or repr(e)[:500]
+            log.warning("episode %s: finishing failed: %s", sid, error)
         result = EpisodeResult(session_id=sid, group_id=group, reward=reward, turns=turns,
                                tool_calls=state.tool_calls, final_text=final_text, error=error)
         if on_episode is not None:
