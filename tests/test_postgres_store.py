@@ -235,8 +235,8 @@ def test_replicas_see_each_others_sessions_rewards_and_feedback(replicas) -> Non
     a.add_feedback("chatcmpl-x", thumb="up")
     assert [f.thumb for f in b.get_feedback("chatcmpl-x")] == ["up"]
     assert b.stats().sessions == 1 and b.stats().feedback == 1
-    [recent] = b.recent_sessions(10)  # the dashboard's session list, which cannot read a SQLite file here
-    assert (recent["id"], recent["num_trajectories"], recent["num_tokens"], recent["reward"]) == ("s", 1, 7, 0.5)
+    [recent] = b.recent_sessions(10)  # the dashboard's session list, read on the other replica
+    assert (recent.id, recent.num_trajectories, recent.num_tokens, recent.reward) == ("s", 1, 7, 0.5)
     b.close_session("s")
     with pytest.raises(SessionClosedError):
         _write(a, a.get_trajectory(t.id).model_copy(update={"metadata": {"late": True}}))

@@ -154,6 +154,22 @@ def test_idle_sessions_are_closed_oldest_first(store: SQLiteTrajectoryStore) -> 
     assert store.close_idle_sessions(time.time() + 1) == ["c"]
 
 
+def test_recent_sessions_newest_first_with_counts(store: SQLiteTrajectoryStore) -> None:
+    for sid in ("a", "b", "c"):
+        store.create_session(sid, group_id=f"g-{sid}", metadata={"k": sid})
+        time.sleep(0.002)
+    _write(store, _traj("b", [-0.5, -0.25], response_id="chatcmpl-b"))
+    _write(store, _traj("b", [-0.5], response_id="chatcmpl-b2", segment=1))
+    store.set_reward("b", reward=0.75, finish=True)
+    recent = store.recent_sessions(2)
+    assert [r.id for r in recent] == ["c", "b"]
+    b = recent[1]
+    assert (b.status, b.group_id, b.metadata, b.num_trajectories, b.num_tokens, b.reward) == (
+        "closed", "g-b", {"k": "b"}, 2, 9, 0.75)
+    assert recent[0].num_trajectories == 0 and recent[0].reward is None
+    assert [r.id for r in store.recent_sessions(10)] == ["c", "b", "a"]
+
+
 def test_feedback_and_response_lookup(store: SQLiteTrajectoryStore) -> None:
     store.create_session("s")
     t = _write(store, _traj("s", [-0.5], response_id="chatcmpl-fb"))

@@ -11,8 +11,6 @@ route yet: engine health and load, recent sessions, and token ids -> text for th
 from __future__ import annotations
 
 import asyncio
-import json
-import sqlite3
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -137,33 +135,9 @@ class SessionList(BaseModel):
     data: list[SessionRow]
 
 
-_RECENT_SESSIONS_SQL = """
-SELECT s.id, s.status, s.group_id, s.created_at, s.updated_at, s.metadata,
-       (SELECT COUNT(*) FROM trajectories t WHERE t.session_id = s.id) AS n_traj,
-       (SELECT COALESCE(SUM(t.n_tokens), 0) FROM trajectories t WHERE t.session_id = s.id) AS n_tokens,
-       (SELECT t.reward FROM trajectories t WHERE t.session_id = s.id AND t.reward IS NOT NULL
-         ORDER BY t.seq DESC LIMIT 1) AS reward
-FROM sessions s ORDER BY s.rowid DESC LIMIT ?
-"""
-
-
 def recent_sessions(store: Any, limit: int) -> list[SessionRow]:
-    """Newest sessions first, read from the SQLite store's file over a read-only connection: the
-    store interface has no listing of sessions, and this view must never write. Other stores
-    (Postgres) list their own."""
-    if hasattr(store, "recent_sessions"):
-        return [SessionRow(**r) for r in store.recent_sessions(limit)]
-    path = getattr(store, "path", None)
-    if not path or path == ":memory:" or not Path(path).is_file():
-        return []
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
-    try:
-        rows = conn.execute(_RECENT_SESSIONS_SQL, (limit,)).fetchall()
-    finally:
-        conn.close()
-    return [SessionRow(id=r[0], status=r[1], group_id=r[2], created_at=r[3], updated_at=r[4],
-                       metadata=json.loads(r[5] or "{}"), num_trajectories=r[6], num_tokens=r[7], reward=r[8])
-            for r in rows]
+    """Newest sessions first, through the store's interface (SQLite and Postgres alike)."""
+    return [SessionRow.model_validate(r.model_dump()) for r in store.recent_sessions(limit)]
 
 
 @api.get("/sessions", response_model=SessionList)

@@ -29,6 +29,7 @@ from typing import Any
 import psycopg
 
 from slime_server.buffer.pg_conn import PgConnections
+from slime_server.buffer.rows import RECENT_SESSIONS_SQL
 from slime_server.buffer.rows import SESSION_COLUMNS as _SESSION_COLUMNS
 from slime_server.buffer.rows import TRAJ_COLUMNS as _TRAJ_COLUMNS
 from slime_server.buffer.rows import owned as _owned
@@ -44,6 +45,7 @@ from slime_server.buffer.schema import (
     SessionClosedError,
     SessionExistsError,
     SessionNotFound,
+    SessionSummary,
     StaleWriteError,
     StoredResponse,
     StoreError,
@@ -510,17 +512,11 @@ class PostgresTrajectoryStore(TrajectoryStore):
         return StoredResponse.model_validate({**dict(row), "body": json.loads(row["body"])})
 
     # ---------------------------------------------------------------- housekeeping
-    def recent_sessions(self, limit: int) -> list[dict[str, Any]]:
-        """Newest sessions first with their trajectory count, tokens and last reward: the dashboard's
-        list, which reads the SQLite file directly (``api/dashboard.recent_sessions``) and cannot here."""
+    def recent_sessions(self, limit: int) -> list[SessionSummary]:
         rows = self._read(lambda c: c.execute(
-            "SELECT s.id, s.status, s.group_id, s.created_at, s.updated_at, s.metadata, "
-            "(SELECT COUNT(*) FROM trajectories t WHERE t.session_id = s.id) AS num_trajectories, "
-            "(SELECT COALESCE(SUM(t.n_tokens), 0) FROM trajectories t WHERE t.session_id = s.id) AS num_tokens, "
-            "(SELECT t.reward FROM trajectories t WHERE t.session_id = s.id AND t.reward IS NOT NULL "
-            " ORDER BY t.seq DESC LIMIT 1) AS reward "
-            "FROM sessions s ORDER BY s.created_at DESC, s.id DESC LIMIT %s", (max(0, int(limit)),)).fetchall())
-        return [{**r, "metadata": json.loads(r["metadata"] or "{}"), "num_tokens": int(r["num_tokens"])} for r in rows]
+            RECENT_SESSIONS_SQL + "%s", (max(0, int(limit)),)).fetchall())
+        return [SessionSummary.model_validate({**r, "metadata": json.loads(r["metadata"] or "{}"),
+                                               "num_tokens": int(r["num_tokens"])}) for r in rows]
 
     def stats(self) -> StoreStats:
         def run(conn: Conn) -> StoreStats:

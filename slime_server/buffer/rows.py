@@ -68,3 +68,14 @@ def traj_params(t: Trajectory, revision: int, updated_at: float) -> dict[str, An
         "status": t.status, "consumed_step": t.consumed_step, "metadata": json.dumps(t.metadata),
         "revision": revision, "created_at": t.created_at, "updated_at": updated_at, "old_revision": t.revision,
     }
+
+
+# The dashboard's session list (``recent_sessions``) in the SQL both stores speak; the limit's placeholder
+# (? or %s) is the store's to append.
+RECENT_SESSIONS_SQL = (
+    "SELECT s.id, s.status, s.group_id, s.created_at, s.updated_at, s.metadata, "
+    "(SELECT COUNT(*) FROM trajectories t WHERE t.session_id = s.id) AS num_trajectories, "
+    "(SELECT COALESCE(SUM(t.n_tokens), 0) FROM trajectories t WHERE t.session_id = s.id) AS num_tokens, "
+    "(SELECT t.reward FROM trajectories t WHERE t.session_id = s.id AND t.reward IS NOT NULL "
+    "ORDER BY t.seq DESC LIMIT 1) AS reward "
+    "FROM sessions s ORDER BY s.created_at DESC, s.id DESC LIMIT ")

@@ -218,6 +218,20 @@ class StoredResponse(BaseModel):
     created_at: float = Field(default_factory=now)
 
 
+class SessionSummary(BaseModel):
+    """One line of a session listing (the dashboard's): counts instead of the token arrays."""
+
+    id: str
+    status: SessionStatus
+    group_id: str | None = None
+    created_at: float
+    updated_at: float
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    num_trajectories: int = 0
+    num_tokens: int = 0
+    reward: float | None = Field(None, description="reward of the newest rewarded trajectory")
+
+
 class StoreStats(BaseModel):
     sessions: int = 0
     open_sessions: int = 0

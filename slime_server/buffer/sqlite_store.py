@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
+from slime_server.buffer.rows import RECENT_SESSIONS_SQL
 from slime_server.buffer.rows import TRAJ_COLUMNS as _TRAJ_COLUMNS
 from slime_server.buffer.rows import owned as _owned
 from slime_server.buffer.rows import session_from_row as _session_from_row
@@ -30,6 +31,7 @@ from slime_server.buffer.schema import (
     SessionClosedError,
     SessionExistsError,
     SessionNotFound,
+    SessionSummary,
     StaleWriteError,
     StoredResponse,
     StoreError,
@@ -449,6 +451,10 @@ class SQLiteTrajectoryStore(TrajectoryStore):
         return StoredResponse.model_validate({**dict(row), "body": json.loads(row["body"])})
 
     # ---------------------------------------------------------------- housekeeping
+    def recent_sessions(self, limit: int) -> list[SessionSummary]:
+        rows = self._read(lambda c: c.execute(RECENT_SESSIONS_SQL + "?", (max(0, int(limit)),)).fetchall())
+        return [SessionSummary.model_validate({**dict(r), "metadata": json.loads(r["metadata"] or "{}")}) for r in rows]
+
     def stats(self) -> StoreStats:
         def run(conn: sqlite3.Connection) -> StoreStats:
             s = conn.execute("SELECT COUNT(*), COALESCE(SUM(status = 'open'), 0), COALESCE(SUM(segment_splits), 0) "

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from slime_server.buffer.schema import (
     Feedback,
     Session,
+    SessionSummary,
     StoredResponse,
     StoreStats,
     Thumb,
@@ -168,6 +169,11 @@ class TrajectoryStore(ABC):
         """A kept response; ``ResponseNotFound`` if unknown."""
 
     # ---------------------------------------------------------------- housekeeping
+    @abstractmethod
+    def recent_sessions(self, limit: int) -> list[SessionSummary]:
+        """Newest sessions first (by creation time, then id), with their trajectory count, tokens and
+        the newest trajectory's reward: the dashboard's list."""
+
     @abstractmethod
     def stats(self) -> StoreStats:
         """Counts for /metrics and the dashboard."""
