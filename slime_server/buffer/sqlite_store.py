@@ -406,7 +406,7 @@ class SQLiteTrajectoryStore(TrajectoryStore):
             raise StoreError(f"turn_rewards has {len(turn_rewards)} values but the session has "
                              f"{len(order)} responses")
         by_response = dict(zip(order, turn_rewards, strict=True))
-        rows = conn.execute("SELECT id, turns, turn_rewards FROM trajectories WHERE session_id = ?",
+        rows = conn.execute("SELECT id, turns, turn_rewards FROM trajectories WHERE session_id = ? ORDER BY seq",
                             (session_id,)).fetchall()
         for row in rows:
             turns = json.loads(row["turns"])
@@ -431,7 +431,7 @@ class SQLiteTrajectoryStore(TrajectoryStore):
         return fb
 
     def get_feedback(self, response_id: str) -> list[Feedback]:
-        rows = self._read(lambda c: c.execute("SELECT * FROM feedback WHERE response_id = ? ORDER BY created_at",
+        rows = self._read(lambda c: c.execute("SELECT * FROM feedback WHERE response_id = ? ORDER BY created_at, rowid",
                                               (response_id,)).fetchall())
         return [Feedback.model_validate(dict(r)) for r in rows]
 
