@@ -22,7 +22,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, Field
@@ -34,7 +34,31 @@ from slime_server.trainer.sft import SFTSettings
 # +, -, * word problems with one-digit operands: copying a digit is learnable by a 3 M-parameter
 # model in a couple hundred SFT steps, so the warm start is cheap and RL has a clear target.
 DEMO_TEMPLATES = [t for t in TEMPLATES if "/" not in t[1]]
-WARM_START_VERSION = "3"
+DIGITS = range(2, 10)
+WARM_START_SEED = 0  # one warm start for every --seed: a run's seed varies RL, not the cached SFT
+
+Split = Literal["train", "held_out"]
+
+
+def held_out(template: int, a: int, b: int) -> bool:
+    """The held-out set is held out by construction: a problem is held out when ``(a + b + template)
+    % 4 == 0``, so for every template 16 of its 64 operand pairs are never seen with it, by the warm
+    start nor by RL (each pair is still seen with the other templates: the task is the operator each
+    template asks for, applied to digits the model has copied before, not a memorised problem). Measured:
+    holding whole operand pairs out of every template instead, 40 RL steps did not lift held-out success
+    (35% -> 20%, 33% -> 29%): what the tiny model learns by RL does not carry to digit pairs it never saw."""
+    return (a + b + template) % 4 == 0
+
+
+def operand_pairs(split: Split, template: int) -> list[tuple[int, int]]:
+    return [(a, b) for a in DIGITS for b in DIGITS if held_out(template, a, b) == (split == "held_out")]
+
+
+def problem_space(split: Split) -> list[tuple[tuple[str, str], int, int, str]]:
+    """Every distinct problem of a split: template x operand pair x name, for templates that name someone
+    (held out: 2 x 16 x 8 + 16 = 272 distinct prompts)."""
+    return [(t, a, b, name) for i, t in enumerate(DEMO_TEMPLATES) for a, b in operand_pairs(split, i)
+            for name in (NAMES if "{name}" in t[0] else NAMES[:1])]
 
 
 class DemoLearningSettings(BaseModel):
@@ -45,17 +69,28 @@ class DemoLearningSettings(BaseModel):
     prompts_per_step: int = Field(4, ge=1)
     lr: float = Field(1e-4, gt=0)
     lr_warmup_steps: int = Field(0, ge=0, description="RL lr warmup (Adam's first steps move every weight by ~lr)")
-    eval_prompts: int = Field(64, ge=1)
+    lr_decay_style: Literal["constant", "cosine"] = Field(
+        "cosine", description="RL lr schedule over rl_steps (measured: at a constant 1e-4 one run in four "
+                              "collapsed after step 30, entropy 0.02 -> 0.18 and reward 0.84 -> 0.2)")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine schedule's last lr, as a fraction of lr")
+    eval_prompts: int = Field(64, ge=1, le=272, description="distinct held-out problems (272 exist)")
     eval_every: int = Field(5, ge=1)
     seed: int = 0
 
 
-def demo_rows(n: int, seed: int) -> list[DatasetRow]:
+def demo_rows(n: int, seed: int, split: Split = "train") -> list[DatasetRow]:
+    """``n`` problems of ``split``: drawn with replacement for training, distinct for the held-out set."""
     rng = random.Random(seed)
+    space = problem_space(split)
+    if split == "held_out":
+        if n > len(space):
+            raise ValueError(f"the held-out set has {len(space)} distinct problems; {n} were asked for")
+        picks = rng.sample(space, n)
+    else:
+        picks = [rng.choice(space) for _ in range(n)]
     rows = []
-    for _ in range(n):
-        text, expr = rng.choice(DEMO_TEMPLATES)
-        values = {"a": rng.randint(2, 9), "b": rng.randint(2, 9), "name": rng.choice(NAMES)}
+    for (text, expr), a, b, name in picks:
+        values = {"a": a, "b": b, "name": name}
         expression = expr.format(**values)
         rows.append(DatasetRow(prompt=text.format(**values), label=format_number(evaluate(expression)),
                                metadata={"expression": expression}))
@@ -80,7 +115,13 @@ def sloppy_teacher_conversation(row: DatasetRow, rng: random.Random, p_right: fl
             {"role": "assistant", "content": f"The answer is {result}."}]
 
 
-def _sft_child(base: str, out: str, settings_json: str, n_conv: int, seed: int) -> None:
+def warm_start_conversations(n: int, seed: int = WARM_START_SEED) -> list[list[dict[str, Any]]]:
+    """The warm start's SFT data: sloppy-teacher episodes on training problems only."""
+    rng = random.Random(seed)
+    return [sloppy_teacher_conversation(r, rng) for r in demo_rows(n, seed + 1, "train")]
+
+
+def _sft_child(base: str, out: str, settings_json: str, n_conv: int) -> None:
     from transformers import AutoTokenizer
 
     from slime_server.trainer.sft import conversation_sample, run_sft
@@ -88,9 +129,7 @@ def _sft_child(base: str, out: str, settings_json: str, n_conv: int, seed: int) 
     settings = SFTSettings.model_validate_json(settings_json)
     tok = AutoTokenizer.from_pretrained(base)
     tools = CalculatorEnv().tools()
-    rng = random.Random(seed)
-    samples = [conversation_sample(tok, sloppy_teacher_conversation(r, rng), tools)
-               for r in demo_rows(n_conv, seed + 1)]
+    samples = [conversation_sample(tok, c, tools) for c in warm_start_conversations(n_conv)]
     bar = _bar(settings.steps, "warm start (SFT, Megatron)")
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
@@ -109,7 +148,9 @@ def _bar(total: int, desc: str) -> Any:
 
 
 def ensure_warm_start(base: str | Path, settings: DemoLearningSettings) -> Path:
-    """The SFT warm start of ``base``, built once in a child process and cached next to it."""
+    """The SFT warm start of ``base``, built once in a child process and cached next to it, under a key
+    made of its inputs' content (the base model's files, the SFT data, the SFT settings): it is built
+    again exactly when one of them changes, never for a new ``--seed`` or an unrelated code change."""
     import fcntl
     import hashlib
     import shutil
@@ -118,11 +159,15 @@ def ensure_warm_start(base: str | Path, settings: DemoLearningSettings) -> Path:
     from slime_server.models.tiny import default_cache_dir
 
     base = Path(base).resolve()
-    key = json.dumps({"v": WARM_START_VERSION, "base": str(base), "sft": settings.sft.model_dump(),
-                      "n": settings.sft_conversations, "seed": settings.seed}, sort_keys=True)
+    digest = hashlib.sha256()
+    for f in sorted(p for p in base.iterdir() if p.is_file()):
+        digest.update(f.name.encode() + f.read_bytes())
+    digest.update(json.dumps(warm_start_conversations(settings.sft_conversations), sort_keys=True).encode())
+    digest.update(settings.sft.model_dump_json().encode())
+    key = digest.hexdigest()
     root = default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    target = root / f"{base.name}-calc-warm-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    target = root / f"{base.name}-calc-warm-{key[:12]}"
     if (target / "config.json").exists():
         print(f"[demo] warm start (cached): {target}", flush=True)
         return target
@@ -135,7 +180,7 @@ def ensure_warm_start(base: str | Path, settings: DemoLearningSettings) -> Path:
             t0 = time.monotonic()
             proc = mp.get_context("spawn").Process(
                 target=_sft_child, args=(str(base), str(tmp), settings.sft.model_dump_json(),
-                                         settings.sft_conversations, settings.seed), name="slime-sft",
+                                         settings.sft_conversations), name="slime-sft",
                 daemon=True)
             proc.start()
             try:
@@ -167,8 +212,11 @@ class DemoResult(BaseModel):
 def write_datasets(work: Path, settings: DemoLearningSettings) -> tuple[Path, Path]:
     train, held_out = work / "calculator_train.jsonl", work / "calculator_eval.jsonl"
     train.write_text("".join(r.model_dump_json() + "\n" for r in demo_rows(512, settings.seed + 100)))
-    held_out.write_text("".join(r.model_dump_json() + "\n"
-                                for r in demo_rows(settings.eval_prompts, settings.seed + 200)))
+    rows = demo_rows(settings.eval_prompts, settings.seed + 200, "held_out")
+    held_out.write_text("".join(r.model_dump_json() + "\n" for r in rows))
+    print(f"[demo] held-out set: {len(rows)} problems, {len({r.prompt for r in rows})} distinct; no training "
+          f"problem has a held-out problem's template and operands ({len(operand_pairs('held_out', 0))} of 64 "
+          "pairs per template are held out)", flush=True)
     return train, held_out
 
 
@@ -183,8 +231,7 @@ def job_spec(settings: DemoLearningSettings, train: Path, held_out: Path,
         "loop": {"batch_size": n * per_step, "n_samples_per_prompt": n, "max_steps": settings.rl_steps,
                  "max_staleness": 1, "update_weights_interval": 1, "checkpoint_interval": 1000,
                  "drop_zero_variance_groups": True},
-        "optimizer": {"lr": settings.lr, "clip_grad": 1.0,
-                      "lr_warmup_steps": min(settings.lr_warmup_steps, max(0, settings.rl_steps - 1))},
+        "optimizer": optimizer_spec(settings),
         # as little ahead as is safe (one batch + the groups in flight): on 2 shared cores, rollouts the
         # trainer cannot take in time are stale (dropped) by the time it can, and they slow it down meanwhile
         "pacing": {"max_buffered": 2 * n * per_step, "retry_after_s": 0.5},
@@ -195,6 +242,15 @@ def job_spec(settings: DemoLearningSettings, train: Path, held_out: Path,
         + [{"name": name, "environment": "calculator", "dataset": path, "every_steps": settings.eval_every,
             "max_tokens": 40} for name, path in extra_evals],
     }
+
+
+def optimizer_spec(settings: DemoLearningSettings) -> dict[str, Any]:
+    warmup = min(settings.lr_warmup_steps, max(0, settings.rl_steps - 1))
+    spec: dict[str, Any] = {"lr": settings.lr, "clip_grad": 1.0, "lr_warmup_steps": warmup}
+    if settings.lr_decay_style == "cosine" and settings.rl_steps > warmup:
+        spec |= {"lr_decay_style": "cosine", "lr_decay_steps": settings.rl_steps,
+                 "min_lr": settings.lr * settings.min_lr_ratio}
+    return spec
 
 
 def run_rl(root_url: str, admin_key: str | None, settings: DemoLearningSettings, work: Path,
@@ -216,6 +272,8 @@ def run_rl(root_url: str, admin_key: str | None, settings: DemoLearningSettings,
             data = ev["data"]
             if ev["kind"] == "step":
                 rewards.append((int(data["step"]), float(data.get("reward_mean", 0.0))))
+            elif ev["kind"] == "eval_failed":
+                tqdm_write(f"[demo] eval {data.get('name', '')} at step {data.get('step')} failed: {data.get('error')}")
             elif ev["kind"] == "eval" and data.get("name") != "held_out":
                 evals_other.append(data)
                 tqdm_write(f"[demo] eval {data['name']} step {data['step']:>3}: success {data['success_rate']:.0%}")

@@ -49,6 +49,36 @@ def test_serve_eval_data_fills_jobs_without_eval_sets(tmp_path: Path) -> None:
     assert manager.with_default_evals(JobSpec()).eval == []  # a live job has no environment to play them
 
 
+def test_the_held_out_set_shares_no_problem_with_training() -> None:
+    """No held-out problem's (template, operands) is in the warm start's data or RL's, whatever the seed."""
+    from slime_server.demo_learning import DEMO_TEMPLATES, demo_rows, operand_pairs, warm_start_conversations
+
+    ops = {expr.split()[1]: i for i, (_, expr) in enumerate(DEMO_TEMPLATES)}
+
+    def problem(expression: str, operator: str | None = None) -> tuple[int, int, int]:
+        a, op, b = expression.split()
+        return ops[operator or op], int(a), int(b)
+
+    held = demo_rows(256, 200, "held_out")
+    assert len({r.prompt for r in held}) == 256  # distinct problems
+    held_problems = {problem(str(r.metadata["expression"])) for r in held}
+    rl = {problem(str(r.metadata["expression"])) for seed in range(5) for r in demo_rows(512, seed + 100)}
+    # the sloppy teacher may call the wrong operator: the problem is the one the user message states
+    sft_rows = demo_rows(4000, 1, "train")
+    sft = warm_start_conversations(4000)
+    assert [c[1]["content"] for c in sft] == [r.prompt for r in sft_rows]
+    sft_problems = {problem(str(r.metadata["expression"])) for r in sft_rows}
+    assert not held_problems & rl and not held_problems & sft_problems
+    for t in range(3):
+        assert len(operand_pairs("held_out", t)) == 16
+        assert {(a, b) for (u, a, b) in held_problems if u == t} <= set(operand_pairs("held_out", t))
+    seen_pairs = {(a, b) for _, a, b in sft_problems}
+    assert len(seen_pairs) == 64  # every operand pair is trained on, with some other template
+    assert not {r.prompt for r in held} & {c[1]["content"] for c in sft}
+    with pytest.raises(ValueError, match="272 distinct problems"):
+        demo_rows(300, 0, "held_out")
+
+
 def test_shortened_demo_learns(tiny_model_path: Path, tmp_path: Path) -> None:
     eval_file = tmp_path / "extra.jsonl"
     eval_file.write_text('{"prompt": "Ana has 4 apples and buys 3 more. How many apples does Ana have now?", '
@@ -69,9 +99,10 @@ def test_shortened_demo_learns(tiny_model_path: Path, tmp_path: Path) -> None:
                          .removeprefix("[demo] summary: "))
     curve = summary["curve"]
     assert [s for s, _ in curve] == [0, 20, 40]
-    # async RL is not bit-reproducible, and 30 steps gave +21, +5.5 and passes of >= +10 points in four
-    # runs: 40 steps and 256 held-out problems (same seeded samples before and after) for a margin of 5
-    assert summary["success_after"] - summary["success_before"] >= 0.05, summary
+    # the margin comes from the spread measured before this run was looked at (tools/bench_demo.py, seeds
+    # 0-5 at these settings, idle 2-core machine, 2026-11-25): +43.0, +43.8, +43.8, +47.7, +38.3, +41.4
+    # points on 256 held-out problems no training problem shares; 20 is about half the smallest
+    assert summary["success_after"] - summary["success_before"] >= 0.20, summary
     assert {name for name, _, _ in summary["other_evals"]} == {"extra"}
     png = Path(summary["plot"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
