@@ -102,8 +102,10 @@ def engine_and_router(model_path: Path, log_dir: Path) -> Iterator[str]:
         engine.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def router_url(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One CPU engine serving the tiny model behind the real sgl-router, shared by every module that does
+    not bring its own (starting one costs seconds; a test that pauses or aborts it resumes it)."""
     with engine_and_router(tiny_model_path, tmp_path_factory.mktemp("stack")) as url:
         yield url
 
@@ -116,23 +118,51 @@ def gateway(router_url: str, tiny_model_path: Path, tmp_path_factory: pytest.Tem
     stop_gateway(gw)
 
 
+@pytest.fixture(scope="session")
+def tool_model(tiny_model_path: Path) -> Path:
+    """The tiny model fine-tuned to call ``get_weather`` (built once per machine, cached)."""
+    return cached_tool_model(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def tool_router_url(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One CPU engine serving the tool model behind the real sgl-router, shared by every module."""
+    with engine_and_router(tool_model, tmp_path_factory.mktemp("tool-stack")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def tool_gateway(tool_router_url: str, tool_model: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
+    """The gateway process over ``tool_router_url``, shared by every module that drives the tool model
+    (each test opens its own sessions, so none sees another's)."""
+    d = tmp_path_factory.mktemp("tool-gateway")
+    gw = start_gateway(tool_router_url, tool_model, d / "traj.db", d / "gateway.log")
+    yield gw
+    stop_gateway(gw)
+
+
 def openai_client(gw: GatewayProc, api_key: str = "EMPTY", **kw):
     import openai
 
     return openai.OpenAI(base_url=gw.base_url, api_key=api_key, max_retries=0, timeout=120, **kw)
 
 
-def new_session(gw: GatewayProc) -> str:
-    """A fresh session id from the sessions REST API."""
+def new_session(gw: GatewayProc, **body) -> str:
+    """A fresh session id from the sessions REST API (``body``: its fields, e.g. ``group_id``)."""
     import httpx
 
-    return httpx.post(f"{gw.base_url}/sessions", json={}, timeout=30).raise_for_status().json()["id"]
+    r = httpx.post(f"{gw.base_url}/sessions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
 
 
 def session_trajectories(gw: GatewayProc, sid: str) -> list[dict]:
     import httpx
 
-    return httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30).raise_for_status().json()
+    r = httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def check_mask(traj: dict, n_turns: int) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,30 +19,11 @@ from _gateway_helpers import (
     TOOL_USER,
     WEATHER_TOOL,
     GatewayProc,
-    cached_tool_model,
-    start_gateway,
-    stop_gateway,
 )
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(300)
 SYSTEM = "You are a helpful assistant."  # the agents' instructions
-
-
-@pytest.fixture(scope="module")
-def tool_model(tiny_model_path: Path) -> Path:
-    return cached_tool_model(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def gateway(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
-    from _gateway_helpers import engine_and_router
-
-    d = tmp_path_factory.mktemp("clients")
-    with engine_and_router(tool_model, d) as router_url:
-        gw = start_gateway(router_url, tool_model, d / "traj.db", d / "gateway.log")
-        yield gw
-        stop_gateway(gw)
 
 
 def _session(gw: GatewayProc) -> str:
@@ -98,12 +78,12 @@ def get_weather(city: str) -> str:
     return TOOL_RESULT
 
 
-def test_langchain_chat_openai_with_bound_tools(gateway: GatewayProc, tool_model: Path) -> None:
+def test_langchain_chat_openai_with_bound_tools(tool_gateway: GatewayProc, tool_model: Path) -> None:
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    sid = _session(gateway)
-    llm = ChatOpenAI(model=MODEL, base_url=gateway.base_url, api_key="EMPTY", temperature=0, max_tokens=48,
+    sid = _session(tool_gateway)
+    llm = ChatOpenAI(model=MODEL, base_url=tool_gateway.base_url, api_key="EMPTY", temperature=0, max_tokens=48,
                      max_retries=0, default_headers={"X-Session-Id": sid})
     agent_llm = llm.bind_tools([WEATHER_TOOL])
     messages: list = [HumanMessage(TOOL_USER)]
@@ -113,7 +93,7 @@ def test_langchain_chat_openai_with_bound_tools(gateway: GatewayProc, tool_model
     messages += [first, ToolMessage(get_weather(**first.tool_calls[0]["args"]), tool_call_id=first.tool_calls[0]["id"])]
     final = agent_llm.invoke(messages)
     assert isinstance(final.content, str)
-    trajs = _trajectories(gateway, sid)
+    trajs = _trajectories(tool_gateway, sid)
     assert len(trajs) == 1  # call, tool result and answer merged into one trajectory
     spans = _check_token_exact(trajs[0], tool_model, _weather_call_and_result(), [WEATHER_TOOL])
     assert "<tool_call>" in spans[0] and json.loads(spans[0].split("<tool_call>")[1].split("</tool_call>")[0]) == {
@@ -121,7 +101,7 @@ def test_langchain_chat_openai_with_bound_tools(gateway: GatewayProc, tool_model
     assert final.content.strip() and final.content in spans[1]  # a real answer, and the one stored
 
 
-def test_openai_agents_sdk_runs_a_tool_using_agent(gateway: GatewayProc, tool_model: Path) -> None:
+def test_openai_agents_sdk_runs_a_tool_using_agent(tool_gateway: GatewayProc, tool_model: Path) -> None:
     from agents import (
         Agent,
         FunctionTool,
@@ -133,7 +113,7 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(gateway: GatewayProc, tool_mo
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
-    sid = _session(gateway)
+    sid = _session(tool_gateway)
     calls: list[str] = []
 
     async def invoke(ctx: object, args_json: str) -> str:
@@ -145,7 +125,7 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(gateway: GatewayProc, tool_mo
                            on_invoke_tool=invoke, strict_json_schema=False)
 
     async def run() -> str:
-        client = AsyncOpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0,
+        client = AsyncOpenAI(base_url=tool_gateway.base_url, api_key="EMPTY", max_retries=0,
                              default_headers={"X-Session-Id": sid})
         agent = Agent(name="weather", instructions=SYSTEM, tools=[weather],
                       model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
@@ -158,7 +138,7 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(gateway: GatewayProc, tool_mo
 
     final = asyncio.run(run())
     assert calls == ["Paris"]  # the SDK parsed the model's call and ran the tool
-    trajs = _trajectories(gateway, sid)
+    trajs = _trajectories(tool_gateway, sid)
     assert len(trajs) == 1
     agents_tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": False}}  # as the SDK sends it
     spans = _check_token_exact(trajs[0], tool_model, _weather_call_and_result(SYSTEM), [agents_tool])
@@ -166,7 +146,7 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(gateway: GatewayProc, tool_mo
     assert final.strip() and final in spans[1]  # a real answer, and the one stored
 
 
-def test_openai_agents_sdk_with_the_responses_model(gateway: GatewayProc, tool_model: Path) -> None:
+def test_openai_agents_sdk_with_the_responses_model(tool_gateway: GatewayProc, tool_model: Path) -> None:
     """The Agents SDK's default model speaks the Responses API (issue 21). The agent stops on its tool's
     output: after the tool result the tiny model rambles to the token limit, which the Responses API
     reports as ``incomplete`` and this SDK (rightly) raises on; the round trip of a tool result through
@@ -175,7 +155,7 @@ def test_openai_agents_sdk_with_the_responses_model(gateway: GatewayProc, tool_m
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
-    sid = _session(gateway)
+    sid = _session(tool_gateway)
     calls: list[str] = []
 
     async def invoke(ctx: object, args_json: str) -> str:
@@ -187,7 +167,7 @@ def test_openai_agents_sdk_with_the_responses_model(gateway: GatewayProc, tool_m
                            on_invoke_tool=invoke, strict_json_schema=False)
 
     async def run() -> str:
-        client = AsyncOpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0,
+        client = AsyncOpenAI(base_url=tool_gateway.base_url, api_key="EMPTY", max_retries=0,
                              default_headers={"X-Session-Id": sid})
         agent = Agent(name="weather", instructions=SYSTEM, tools=[weather],
                       model=OpenAIResponsesModel(model=MODEL, openai_client=client),
@@ -200,7 +180,7 @@ def test_openai_agents_sdk_with_the_responses_model(gateway: GatewayProc, tool_m
 
     final = asyncio.run(run())
     assert calls == ["Paris"] and final == TOOL_RESULT  # the SDK parsed our function_call item and ran the tool
-    trajs = _trajectories(gateway, sid)
+    trajs = _trajectories(tool_gateway, sid)
     assert len(trajs) == 1
     responses_tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": False}}
     (span,) = _check_token_exact(trajs[0], tool_model, _weather_call_and_result(SYSTEM)[:2], [responses_tool])
@@ -208,13 +188,13 @@ def test_openai_agents_sdk_with_the_responses_model(gateway: GatewayProc, tool_m
         "name": "get_weather", "arguments": {"city": "Paris"}}
 
 
-def test_langchain_chat_anthropic_with_bound_tools(gateway: GatewayProc, tool_model: Path) -> None:
+def test_langchain_chat_anthropic_with_bound_tools(tool_gateway: GatewayProc, tool_model: Path) -> None:
     """LangChain's ChatAnthropic (the Anthropic SDK underneath) against /v1/messages (issue 21)."""
     from langchain_anthropic import ChatAnthropic
     from langchain_core.messages import HumanMessage, ToolMessage
 
-    sid = _session(gateway)
-    llm = ChatAnthropic(model=MODEL, base_url=gateway.url, api_key="EMPTY", max_tokens=48, max_retries=0,
+    sid = _session(tool_gateway)
+    llm = ChatAnthropic(model=MODEL, base_url=tool_gateway.url, api_key="EMPTY", max_tokens=48, max_retries=0,
                         default_headers={"X-Session-Id": sid}, model_kwargs={"extra_body": {"temperature": 0}})
     agent_llm = llm.bind_tools([WEATHER_TOOL])
     messages: list = [HumanMessage(TOOL_USER)]
@@ -223,7 +203,7 @@ def test_langchain_chat_anthropic_with_bound_tools(gateway: GatewayProc, tool_mo
     assert first.tool_calls[0]["args"] == {"city": "Paris"}
     messages += [first, ToolMessage(get_weather(**first.tool_calls[0]["args"]), tool_call_id=first.tool_calls[0]["id"])]
     final = agent_llm.invoke(messages)
-    trajs = _trajectories(gateway, sid)
+    trajs = _trajectories(tool_gateway, sid)
     assert len(trajs) == 1  # call, tool result and answer merged into one trajectory
     spans = _check_token_exact(trajs[0], tool_model, _weather_call_and_result(), [WEATHER_TOOL])
     assert json.loads(spans[0].split("<tool_call>")[1].split("</tool_call>")[0]) == {

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,8 +17,9 @@ from _gateway_helpers import (
     TOOL_USER,
     WEATHER_TOOL,
     GatewayProc,
-    cached_tool_model,
+    new_session,
     openai_client,
+    session_trajectories,
     start_gateway,
     stop_gateway,
 )
@@ -27,52 +27,19 @@ from _gateway_helpers import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def tool_model(tiny_model_path: Path) -> Path:
-    return cached_tool_model(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def router_url(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from _gateway_helpers import engine_and_router
-
-    with engine_and_router(tool_model, tmp_path_factory.mktemp("stack")) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def gateway(router_url: str, tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
-    d = tmp_path_factory.mktemp("gateway")
-    gw = start_gateway(router_url, tool_model, d / "traj.db", d / "gateway.log")
-    yield gw
-    stop_gateway(gw)
-
-
-def new_session(gw: GatewayProc, **body) -> str:
-    r = httpx.post(f"{gw.base_url}/sessions", json=body, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["id"]
-
-
-def trajectories(gw: GatewayProc, sid: str) -> list[dict]:
-    r = httpx.get(f"{gw.base_url}/sessions/{sid}/trajectory", timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def generated_positions(traj: dict) -> list[int]:
     return [i for t in traj["turns"] for i in range(t["output_start"], t["output_end"])]
 
 
-def test_models(gateway: GatewayProc) -> None:
-    assert [m.id for m in openai_client(gateway).models.list().data] == [MODEL]
+def test_models(tool_gateway: GatewayProc) -> None:
+    assert [m.id for m in openai_client(tool_gateway).models.list().data] == [MODEL]
 
 
-def test_stream_equals_non_stream_and_usage_matches_store(gateway: GatewayProc) -> None:
-    client = openai_client(gateway)
+def test_stream_equals_non_stream_and_usage_matches_store(tool_gateway: GatewayProc) -> None:
+    client = openai_client(tool_gateway)
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], temperature=0,
               max_tokens=24, seed=7)
-    sid_a, sid_b = new_session(gateway), new_session(gateway)
+    sid_a, sid_b = new_session(tool_gateway), new_session(tool_gateway)
     plain = client.chat.completions.create(**kw, extra_headers={"X-Session-Id": sid_a})
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True},
                                                  extra_headers={"X-Session-Id": sid_b}))
@@ -86,15 +53,15 @@ def test_stream_equals_non_stream_and_usage_matches_store(gateway: GatewayProc) 
     assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
     assert plain.id.startswith("chatcmpl-")
     for sid, usage in ((sid_a, plain.usage), (sid_b, chunks[-1].usage)):
-        (traj,) = trajectories(gateway, sid)
+        (traj,) = session_trajectories(tool_gateway, sid)
         (turn,) = traj["turns"]
         assert turn["output_start"] == usage.prompt_tokens
         assert turn["output_end"] - turn["output_start"] == usage.completion_tokens == sum(traj["loss_mask"])
 
 
-def test_tool_call_round_trip_is_one_trajectory(gateway: GatewayProc) -> None:
-    client = openai_client(gateway)
-    sid = new_session(gateway)
+def test_tool_call_round_trip_is_one_trajectory(tool_gateway: GatewayProc) -> None:
+    client = openai_client(tool_gateway)
+    sid = new_session(tool_gateway)
     hdr = {"X-Session-Id": sid}
     messages: list[dict] = [{"role": "user", "content": TOOL_USER}]
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], temperature=0,
@@ -108,7 +75,7 @@ def test_tool_call_round_trip_is_one_trajectory(gateway: GatewayProc) -> None:
                  {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT}]
     second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], temperature=0,
                                             max_tokens=16, extra_headers=hdr)
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(tool_gateway, sid)
     assert len(traj["turns"]) == 2
     gen = generated_positions(traj)
     assert [i for i, m in enumerate(traj["loss_mask"]) if m] == gen
@@ -119,18 +86,18 @@ def test_tool_call_round_trip_is_one_trajectory(gateway: GatewayProc) -> None:
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_tool_choice_prefill_is_prompt_not_generated(gateway: GatewayProc, tool_choice) -> None:
-    client = openai_client(gateway)
-    sid = new_session(gateway)
+def test_forced_tool_choice_prefill_is_prompt_not_generated(tool_gateway: GatewayProc, tool_choice) -> None:
+    client = openai_client(tool_gateway)
+    sid = new_session(tool_gateway)
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": TOOL_USER}],
                                        tools=[WEATHER_TOOL], tool_choice=tool_choice, temperature=0, max_tokens=40,
                                        extra_headers={"X-Session-Id": sid})
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == json.loads(TOOL_ARGS)
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(tool_gateway, sid)
     (turn,) = traj["turns"]
-    plain = openai_client(gateway).chat.completions.create(
+    plain = openai_client(tool_gateway).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": TOOL_USER}], tools=[WEATHER_TOOL], temperature=0,
         max_tokens=1)
     prefill_len = r.usage.prompt_tokens - plain.usage.prompt_tokens
@@ -140,9 +107,9 @@ def test_forced_tool_choice_prefill_is_prompt_not_generated(gateway: GatewayProc
     assert turn["output_end"] - turn["output_start"] == r.usage.completion_tokens
 
 
-def test_five_turns_one_trajectory_with_engine_logprobs(gateway: GatewayProc) -> None:
-    client = openai_client(gateway)
-    sid = new_session(gateway)
+def test_five_turns_one_trajectory_with_engine_logprobs(tool_gateway: GatewayProc) -> None:
+    client = openai_client(tool_gateway)
+    sid = new_session(tool_gateway)
     messages: list[dict] = [{"role": "system", "content": "Be brief."}]
     returned: list[float] = []
     for k in range(5):
@@ -154,7 +121,7 @@ def test_five_turns_one_trajectory_with_engine_logprobs(gateway: GatewayProc) ->
         assert all(len(t.top_logprobs) == 2 for t in r.choices[0].logprobs.content)
         returned += [t.logprob for t in r.choices[0].logprobs.content]
         messages.append(msg.model_dump(exclude_none=True))
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(tool_gateway, sid)
     assert len(traj["turns"]) == 5
     gen = generated_positions(traj)
     assert [i for i, m in enumerate(traj["loss_mask"]) if m] == gen
@@ -163,9 +130,9 @@ def test_five_turns_one_trajectory_with_engine_logprobs(gateway: GatewayProc) ->
     assert all(traj["weight_versions"][i] >= 0 for i in gen)
 
 
-def test_drift_starts_a_counted_segment(gateway: GatewayProc) -> None:
-    client = openai_client(gateway)
-    sid = new_session(gateway)
+def test_drift_starts_a_counted_segment(tool_gateway: GatewayProc) -> None:
+    client = openai_client(tool_gateway)
+    sid = new_session(tool_gateway)
     hdr = {"X-Session-Id": sid}
     messages: list[dict] = [{"role": "user", "content": "Hi"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, seed=1, extra_headers=hdr)
@@ -173,24 +140,24 @@ def test_drift_starts_a_counted_segment(gateway: GatewayProc) -> None:
     messages += [{"role": "assistant", "content": "EDITED " + (r.choices[0].message.content or "")},
                  {"role": "user", "content": "And?"}]
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, seed=2, extra_headers=hdr)
-    info = httpx.get(f"{gateway.base_url}/sessions/{sid}", timeout=30).json()
+    info = httpx.get(f"{tool_gateway.base_url}/sessions/{sid}", timeout=30).json()
     assert info["segment_splits"] == 1
     assert [t["segment"] for t in info["trajectories"]] == [0, 1]
     assert info["num_turns"] == 2
 
 
-def test_reward_is_visible_and_idempotent(gateway: GatewayProc) -> None:
-    client = openai_client(gateway)
-    sid = new_session(gateway, group_id="g1", metadata={"task": "t"})
+def test_reward_is_visible_and_idempotent(tool_gateway: GatewayProc) -> None:
+    client = openai_client(tool_gateway)
+    sid = new_session(tool_gateway, group_id="g1", metadata={"task": "t"})
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                    extra_headers={"X-Session-Id": sid})
-    url = f"{gateway.base_url}/sessions/{sid}"
+    url = f"{tool_gateway.base_url}/sessions/{sid}"
     r1 = httpx.post(f"{url}/reward", json={"reward": 1.0}, headers={"Idempotency-Key": "k1"}, timeout=30)
     assert r1.status_code == 200 and r1.json()["changed"] is True
-    before = trajectories(gateway, sid)
+    before = session_trajectories(tool_gateway, sid)
     r2 = httpx.post(f"{url}/reward", json={"reward": 1.0}, headers={"Idempotency-Key": "k1"}, timeout=30)
     assert r2.status_code == 200 and r2.json()["changed"] is False
-    assert trajectories(gateway, sid) == before
+    assert session_trajectories(tool_gateway, sid) == before
     assert before[0]["reward"] == 1.0
     assert httpx.post(f"{url}/reward", json={"reward": 0.0}, headers={"Idempotency-Key": "k1"},
                       timeout=30).status_code == 409
@@ -202,10 +169,10 @@ def test_reward_is_visible_and_idempotent(gateway: GatewayProc) -> None:
                                        extra_headers={"X-Session-Id": sid})
 
 
-def test_a_scalar_reward_finishes_its_session_unless_not_final(gateway: GatewayProc) -> None:
-    client = openai_client(gateway)
-    sid = new_session(gateway)
-    url = f"{gateway.base_url}/sessions/{sid}"
+def test_a_scalar_reward_finishes_its_session_unless_not_final(tool_gateway: GatewayProc) -> None:
+    client = openai_client(tool_gateway)
+    sid = new_session(tool_gateway)
+    url = f"{tool_gateway.base_url}/sessions/{sid}"
     hi = [{"role": "user", "content": "Hi"}]
     first = client.chat.completions.create(model=MODEL, messages=hi, max_tokens=3, extra_headers={"X-Session-Id": sid})
     r = httpx.post(f"{url}/reward", json={"reward": 0.5, "final": False}, timeout=30)
@@ -222,14 +189,14 @@ def test_a_scalar_reward_finishes_its_session_unless_not_final(gateway: GatewayP
     with pytest.raises(openai.ConflictError) as exc:
         client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, extra_headers={"X-Session-Id": sid})
     assert '"final": false' in exc.value.message  # the error says how to keep an episode going
-    sid2 = new_session(gateway)  # per-turn rewards may come as the episode goes on: they do not finish it
+    sid2 = new_session(tool_gateway)  # per-turn rewards may come as the episode goes on: they do not finish it
     client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, extra_headers={"X-Session-Id": sid2})
-    r = httpx.post(f"{gateway.base_url}/sessions/{sid2}/reward", json={"turn_rewards": [1.0]}, timeout=30)
-    assert r.json()["finished"] is False and httpx.get(f"{gateway.base_url}/sessions/{sid2}").json()["status"] == "open"
+    r = httpx.post(f"{tool_gateway.base_url}/sessions/{sid2}/reward", json={"turn_rewards": [1.0]}, timeout=30)
+    assert r.json()["finished"] is False and httpx.get(f"{tool_gateway.base_url}/sessions/{sid2}").json()["status"] == "open"
 
 
-def test_idle_sessions_are_finished(router_url: str, tool_model: Path, tmp_path: Path) -> None:
-    gw = start_gateway(router_url, tool_model, tmp_path / "traj.db", tmp_path / "gateway.log",
+def test_idle_sessions_are_finished(tool_router_url: str, tool_model: Path, tmp_path: Path) -> None:
+    gw = start_gateway(tool_router_url, tool_model, tmp_path / "traj.db", tmp_path / "gateway.log",
                        settings={"session_idle_timeout_s": 1.0})
     try:
         sid = new_session(gw)
@@ -246,26 +213,26 @@ def test_idle_sessions_are_finished(router_url: str, tool_model: Path, tmp_path:
         stop_gateway(gw)
 
 
-def test_feedback_and_completions(gateway: GatewayProc) -> None:
-    client = openai_client(gateway)
+def test_feedback_and_completions(tool_gateway: GatewayProc) -> None:
+    client = openai_client(tool_gateway)
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
-    fb = httpx.post(f"{gateway.base_url}/responses/{r.id}/feedback", json={"thumb": "up"}, timeout=30)
+    fb = httpx.post(f"{tool_gateway.base_url}/responses/{r.id}/feedback", json={"thumb": "up"}, timeout=30)
     assert fb.status_code == 200, fb.text
-    assert httpx.post(f"{gateway.base_url}/responses/chatcmpl-nope/feedback", json={"thumb": "up"},
+    assert httpx.post(f"{tool_gateway.base_url}/responses/chatcmpl-nope/feedback", json={"thumb": "up"},
                       timeout=30).status_code == 404
-    sid = new_session(gateway)
+    sid = new_session(tool_gateway)
     c = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, logprobs=1,
                                   extra_headers={"X-Session-Id": sid})
     assert c.usage.completion_tokens == len(c.choices[0].logprobs.token_logprobs)
-    (traj,) = trajectories(gateway, sid)
+    (traj,) = session_trajectories(tool_gateway, sid)
     assert sum(traj["loss_mask"]) == c.usage.completion_tokens
     assert len(traj["tokens"]) == c.usage.prompt_tokens + c.usage.completion_tokens
 
 
-def test_n_choices_are_sibling_branches_streamed_or_not(gateway: GatewayProc) -> None:
-    client = openai_client(gateway)
+def test_n_choices_are_sibling_branches_streamed_or_not(tool_gateway: GatewayProc) -> None:
+    client = openai_client(tool_gateway)
     for stream in (False, True):
-        sid = new_session(gateway)
+        sid = new_session(tool_gateway)
         kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=5, seed=3,
                   extra_headers={"X-Session-Id": sid})
         if stream:
@@ -277,14 +244,14 @@ def test_n_choices_are_sibling_branches_streamed_or_not(gateway: GatewayProc) ->
             r = client.chat.completions.create(**kw)
             texts = [c.message.content or "" for c in r.choices]
             usage = r.usage
-        trajs = trajectories(gateway, sid)
+        trajs = session_trajectories(tool_gateway, sid)
         assert sorted(t["branch"] for t in trajs) == [0, 1]
         assert sum(sum(t["loss_mask"]) for t in trajs) == usage.completion_tokens
         assert len(texts) == 2
 
 
-def test_stream_equals_non_stream_with_a_stop_string(gateway: GatewayProc) -> None:
-    client = openai_client(gateway)
+def test_stream_equals_non_stream_with_a_stop_string(tool_gateway: GatewayProc) -> None:
+    client = openai_client(tool_gateway)
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], temperature=0, max_tokens=24)
     text = client.chat.completions.create(**kw).choices[0].message.content or ""
     assert len(text) > 8

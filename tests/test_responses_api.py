@@ -8,8 +8,6 @@ generated tokens, a continued turn's prompt the previous turn's tokens plus only
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -20,34 +18,15 @@ from _gateway_helpers import (
     TOOL_USER,
     WEATHER_TOOL,
     GatewayProc,
-    cached_tool_model,
     check_mask,
     new_session,
     openai_client,
     session_trajectories,
-    start_gateway,
-    stop_gateway,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TOOL = {"type": "function", **WEATHER_TOOL["function"]}
-
-
-@pytest.fixture(scope="module")
-def tool_model(tiny_model_path: Path) -> Path:
-    return cached_tool_model(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def gateway(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
-    from _gateway_helpers import engine_and_router
-
-    d = tmp_path_factory.mktemp("responses")
-    with engine_and_router(tool_model, d) as router_url:
-        gw = start_gateway(router_url, tool_model, d / "traj.db", d / "gateway.log")
-        yield gw
-        stop_gateway(gw)
 
 
 def session_of(gw: GatewayProc, response_id: str) -> str:
@@ -57,10 +36,10 @@ def session_of(gw: GatewayProc, response_id: str) -> str:
     return r.json()["session_id"]
 
 
-def test_create_and_stream_agree_and_are_recorded(gateway: GatewayProc) -> None:
-    c = openai_client(gateway)
+def test_create_and_stream_agree_and_are_recorded(tool_gateway: GatewayProc) -> None:
+    c = openai_client(tool_gateway)
     kw = dict(model=MODEL, instructions="Be brief.", input="Tell me a story.", temperature=0, max_output_tokens=24)
-    sid_a, sid_b = new_session(gateway), new_session(gateway)
+    sid_a, sid_b = new_session(tool_gateway), new_session(tool_gateway)
     plain = c.responses.create(**kw, extra_headers={"X-Session-Id": sid_a})
     events = list(c.responses.create(**kw, stream=True, extra_headers={"X-Session-Id": sid_b}))
     assert plain.id.startswith("resp_") and plain.object == "response" and plain.output_text
@@ -73,12 +52,12 @@ def test_create_and_stream_agree_and_are_recorded(gateway: GatewayProc) -> None:
     final = events[-1].response
     assert final.output_text == plain.output_text and final.status == plain.status
     assert final.usage.model_dump() == plain.usage.model_dump()
-    with c.responses.stream(**kw, extra_headers={"X-Session-Id": new_session(gateway)}) as s:
+    with c.responses.stream(**kw, extra_headers={"X-Session-Id": new_session(tool_gateway)}) as s:
         helper = s.get_final_response() if plain.status == "completed" else None
     if helper is not None:
         assert helper.output_text == plain.output_text
     for sid, resp in ((sid_a, plain), (sid_b, final)):
-        (traj,) = session_trajectories(gateway, sid)
+        (traj,) = session_trajectories(tool_gateway, sid)
         check_mask(traj, 1)
         (turn,) = traj["turns"]
         assert turn["output_start"] == resp.usage.input_tokens
@@ -86,8 +65,8 @@ def test_create_and_stream_agree_and_are_recorded(gateway: GatewayProc) -> None:
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["create", "stream"])
-def test_function_call_round_trip_through_previous_response_id(gateway: GatewayProc, streamed: bool) -> None:
-    c = openai_client(gateway)
+def test_function_call_round_trip_through_previous_response_id(tool_gateway: GatewayProc, streamed: bool) -> None:
+    c = openai_client(tool_gateway)
     kw = dict(model=MODEL, tools=[TOOL], temperature=0)
     if streamed:
         events = list(c.responses.create(input=TOOL_USER, max_output_tokens=40, stream=True, **kw))
@@ -106,9 +85,9 @@ def test_function_call_round_trip_through_previous_response_id(gateway: GatewayP
                                 input=[{"type": "function_call_output", "call_id": call.call_id,
                                         "output": TOOL_RESULT}])
     assert second.previous_response_id == first.id
-    sid = session_of(gateway, second.id)
-    assert session_of(gateway, first.id) == sid
-    (traj,) = session_trajectories(gateway, sid)
+    sid = session_of(tool_gateway, second.id)
+    assert session_of(tool_gateway, first.id) == sid
+    (traj,) = session_trajectories(tool_gateway, sid)
     check_mask(traj, 2)
     t0, t1 = traj["turns"]
     assert t0["output_end"] - t0["output_start"] == first.usage.output_tokens
@@ -116,8 +95,8 @@ def test_function_call_round_trip_through_previous_response_id(gateway: GatewayP
     assert t1["output_start"] == second.usage.input_tokens
 
 
-def test_three_turn_chain_is_one_trajectory_and_retrievable(gateway: GatewayProc) -> None:
-    c = openai_client(gateway)
+def test_three_turn_chain_is_one_trajectory_and_retrievable(tool_gateway: GatewayProc) -> None:
+    c = openai_client(tool_gateway)
     previous = None
     ids = []
     for k in range(3):
@@ -125,8 +104,8 @@ def test_three_turn_chain_is_one_trajectory_and_retrievable(gateway: GatewayProc
                                max_output_tokens=6, previous_response_id=previous)
         ids.append(r.id)
         previous = r.id
-    sid = session_of(gateway, ids[-1])
-    (traj,) = session_trajectories(gateway, sid)
+    sid = session_of(tool_gateway, ids[-1])
+    (traj,) = session_trajectories(tool_gateway, sid)
     check_mask(traj, 3)
     assert [t["prompt_start"] for t in traj["turns"][1:]] == [t["output_end"] for t in traj["turns"][:-1]]
     got = c.responses.retrieve(ids[1])
@@ -135,9 +114,9 @@ def test_three_turn_chain_is_one_trajectory_and_retrievable(gateway: GatewayProc
         c.responses.retrieve("resp_doesnotexist")
 
 
-def test_stateless_full_input_with_a_session_header_merges(gateway: GatewayProc) -> None:
+def test_stateless_full_input_with_a_session_header_merges(tool_gateway: GatewayProc) -> None:
     """What Codex CLI does: store false, the whole conversation each time, its session id in a header."""
-    c = openai_client(gateway)
+    c = openai_client(tool_gateway)
     sid = "codex-like-session"
     hdr = {"session_id": sid}
     items: list[dict] = [{"role": "developer", "content": "You are a weather agent."},
@@ -149,22 +128,22 @@ def test_stateless_full_input_with_a_session_header_merges(gateway: GatewayProc)
     items.append({"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT})
     c.responses.create(model=MODEL, input=items, tools=[TOOL], temperature=0, max_output_tokens=8, store=False,
                        extra_headers=hdr)
-    (traj,) = session_trajectories(gateway, sid)
+    (traj,) = session_trajectories(tool_gateway, sid)
     check_mask(traj, 2)
     assert traj["turns"][1]["prompt_start"] == traj["turns"][0]["output_end"]
     with pytest.raises(openai.NotFoundError):  # store: false keeps nothing to retrieve or continue
         c.responses.retrieve(first.id)
 
 
-def test_cut_by_max_output_tokens_is_incomplete(gateway: GatewayProc) -> None:
-    r = openai_client(gateway).responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=2,
+def test_cut_by_max_output_tokens_is_incomplete(tool_gateway: GatewayProc) -> None:
+    r = openai_client(tool_gateway).responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=2,
                                                 extra_body={"ignore_eos": True})
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 2
 
 
-def test_bad_input_is_an_openai_error(gateway: GatewayProc) -> None:
-    c = openai_client(gateway)
+def test_bad_input_is_an_openai_error(tool_gateway: GatewayProc) -> None:
+    c = openai_client(tool_gateway)
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model=MODEL, input=[image])

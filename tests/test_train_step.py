@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests._trainer_helpers import make_batch
+from _trainer_helpers import make_batch
 
 torch.set_num_threads(2)
 

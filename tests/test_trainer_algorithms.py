@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests._trainer_helpers import make_batch
+from _trainer_helpers import make_batch
 
 pytestmark = pytest.mark.timeout(600)
 
