@@ -184,3 +184,29 @@ def test_a_port_taken_before_the_router_binds_it_is_chosen_again(tmp_path: Path)
             assert "Address already in use" in (tmp_path / "router.log").read_text()  # the first try failed so
         finally:
             r.stop()
+
+
+def test_a_port_taken_before_an_engine_binds_it_is_chosen_again(tiny_model_path: Path, tmp_path: Path) -> None:
+    """The same race for an engine: its chosen port is taken before the CPU engine binds it, the engine exits
+    ("address already in use") and its first start chooses another; a fixed port fails as it always did."""
+    import socket
+
+    log = tmp_path / "engine.log"
+    engine = EngineActor(EngineSpec(model_path=str(tiny_model_path), log_path=str(log), startup_timeout_s=120),
+                         start=False, monitor=False)
+    with socket.socket() as squatter:
+        squatter.bind((engine.spec.host, 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        engine.port = taken  # chosen free, then taken by somebody else before the engine started
+        try:
+            url = engine.start()
+            assert engine.port != taken and httpx.get(f"{url}/health", timeout=5).status_code == 200
+            assert "address already in use" in log.read_text().lower()  # the first try did fail so
+        finally:
+            engine.stop()
+        fixed = EngineActor(EngineSpec(model_path=str(tiny_model_path), port=taken, log_path=str(tmp_path / "f.log"),
+                                       startup_timeout_s=120), start=False, monitor=False)
+        with pytest.raises(RuntimeError, match="exited"):
+            fixed.start()
+        assert fixed.port == taken

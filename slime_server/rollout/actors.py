@@ -95,6 +95,7 @@ class EngineActor:
                   file=sys.stderr, flush=True)
         self.spec = spec
         self.port = spec.port or find_free_port(spec.host)
+        self._port_is_ours = not spec.port  # chosen here: a first start may choose again if it was taken
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
         self._lock = threading.RLock()
@@ -123,18 +124,35 @@ class EngineActor:
             return self._start()
 
     def _start(self) -> str:
-        """Start under the lock, leaving ``_stopping`` alone (a concurrent stop() must win)."""
+        """Start under the lock, leaving ``_stopping`` alone (a concurrent stop() must win).
+
+        A port chosen free here can be taken before the engine binds it (Ray workers, routers and other
+        engines start at the same time): the engine then exits logging "address already in use". On its
+        first start, before anything knows its URL, it is started again on a fresh port (twice at most);
+        any other early exit, a fixed port or a restart (the router knows the URL) fails as before."""
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 return self.url()
-            self._proc = spawn_owned(self.command(), env=engine_env(self.spec), log_path=self.spec.log_path)
-            self._ensure_monitor()  # from here on a dead engine is brought back, even if this start fails
-            try:
-                wait_http_ok(f"{self.url()}/health", timeout=self.spec.startup_timeout_s, proc=self._proc)
-            except (TimeoutError, RuntimeError):
-                self._kill()
-                raise
-            return self.url()
+            for attempt in range(START_ATTEMPTS):
+                log_offset = _size(self.spec.log_path)
+                self._proc = spawn_owned(self.command(), env=engine_env(self.spec), log_path=self.spec.log_path)
+                self._ensure_monitor()  # from here on a dead engine is brought back, even if this start fails
+                try:
+                    wait_http_ok(f"{self.url()}/health", timeout=self.spec.startup_timeout_s, proc=self._proc)
+                    return self.url()
+                except RuntimeError:  # exited before it was ready
+                    self._kill()
+                    retry = (self._port_is_ours and self.restarts == 0 and attempt < START_ATTEMPTS - 1
+                             and _port_was_taken(self.spec.log_path, log_offset))
+                    if not retry:
+                        raise
+                    print(f"[engine-actor] port {self.port} was taken before the engine bound it; choosing "
+                          "another", file=sys.stderr, flush=True)
+                    self.port = find_free_port(self.spec.host)
+                except TimeoutError:
+                    self._kill()
+                    raise
+            raise AssertionError("unreachable")
 
     def _ensure_monitor(self) -> None:
         if self._monitor_enabled and (self._monitor is None or not self._monitor.is_alive()):
@@ -192,6 +210,29 @@ class EngineActor:
     def __del__(self) -> None:
         if getattr(self, "_proc", None) is not None:
             self.stop()
+
+
+START_ATTEMPTS = 3
+
+
+def _size(path: str | Path | None) -> int:
+    try:
+        return Path(path).stat().st_size if path is not None else 0
+    except FileNotFoundError:
+        return 0
+
+
+def _port_was_taken(log_path: str | Path | None, offset: int) -> bool:
+    """Whether the engine's log, from ``offset`` on, says its port was in use (uvicorn: "[Errno 98] error
+    while attempting to bind on address ...: address already in use", SGLang's server is uvicorn too)."""
+    if log_path is None:
+        return False
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            return b"address already in use" in f.read().lower()
+    except FileNotFoundError:
+        return False
 
 
 def _node_ip() -> str:
