@@ -63,6 +63,17 @@ def stop_gateway(gw: GatewayProc) -> None:
 
 
 @contextmanager
+def running_gateway(router_url: str, model_path: Path, db_path: Path, log_path: Path, *extra: str,
+                    settings: dict | None = None) -> Iterator[GatewayProc]:
+    """``start_gateway`` for the length of a ``with`` block (a fixture's whole set-up and teardown)."""
+    gw = start_gateway(router_url, model_path, db_path, log_path, *extra, settings=settings)
+    try:
+        yield gw
+    finally:
+        stop_gateway(gw)
+
+
+@contextmanager
 def inprocess_gateway(router_url: str, model_path: Path, db_path: Path) -> Iterator[tuple[str, object]]:
     """The gateway app (``api/server.build_gateway``) served by uvicorn on a thread of this process (as ``serve``
     runs it); yields (base URL, app) for tests that reach into it (attach a JobManager, watch its store)."""
@@ -113,9 +124,8 @@ def router_url(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="module")
 def gateway(router_url: str, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
     d = tmp_path_factory.mktemp("gateway")
-    gw = start_gateway(router_url, tiny_model_path, d / "traj.db", d / "gateway.log")
-    yield gw
-    stop_gateway(gw)
+    with running_gateway(router_url, tiny_model_path, d / "traj.db", d / "gateway.log") as gw:
+        yield gw
 
 
 @pytest.fixture(scope="session")
@@ -137,9 +147,8 @@ def tool_gateway(tool_router_url: str, tool_model: Path,
     """The gateway process over ``tool_router_url``, shared by every module that drives the tool model
     (each test opens its own sessions, so none sees another's)."""
     d = tmp_path_factory.mktemp("tool-gateway")
-    gw = start_gateway(tool_router_url, tool_model, d / "traj.db", d / "gateway.log")
-    yield gw
-    stop_gateway(gw)
+    with running_gateway(tool_router_url, tool_model, d / "traj.db", d / "gateway.log") as gw:
+        yield gw
 
 
 def openai_client(gw: GatewayProc, api_key: str = "EMPTY", **kw):
@@ -171,6 +180,16 @@ def check_mask(traj: dict, n_turns: int) -> None:
     generated = [i for t in traj["turns"] for i in range(t["output_start"], t["output_end"])]
     assert [i for i, m in enumerate(traj["loss_mask"]) if m] == generated
     assert all(traj["rollout_logprobs"][i] <= 0.0 for i in generated)
+
+
+def check_one_turn(gw: GatewayProc, sid: str, input_tokens: int, output_tokens: int) -> None:
+    """The session holds one trajectory of one turn, whose prompt and output are exactly as many tokens as the
+    API's usage said, with the loss mask on the output alone."""
+    (traj,) = session_trajectories(gw, sid)
+    check_mask(traj, 1)
+    (turn,) = traj["turns"]
+    assert turn["output_start"] == input_tokens
+    assert turn["output_end"] - turn["output_start"] == output_tokens
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

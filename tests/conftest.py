@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["_gateway_helpers"]
+pytest_plugins = ["tests._gateway_helpers"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

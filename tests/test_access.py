@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _gateway_helpers import (
+
+from tests._gateway_helpers import (
     MODEL,
     GatewayProc,
     openai_client,
-    start_gateway,
-    stop_gateway,
+    running_gateway,
 )
 
 pytestmark = pytest.mark.slow
@@ -49,10 +49,9 @@ def offline_admin_key(work: Path) -> str:
 @pytest.fixture(scope="module")
 def gateway(router_url: str, tiny_model_path: Path, work: Path,
             offline_admin_key: str) -> Iterator[GatewayProc]:
-    gw = start_gateway(router_url, tiny_model_path, work / "traj.db", work / "gateway.log",
-                       "--api-key", SHARED, "--admin-api-key", ADMIN)
-    yield gw
-    stop_gateway(gw)
+    with running_gateway(router_url, tiny_model_path, work / "traj.db", work / "gateway.log",
+                         "--api-key", SHARED, "--admin-api-key", ADMIN) as gw:
+        yield gw
 
 
 def call(gw: GatewayProc, method: str, path: str, key: str | None, body: object = None) -> httpx.Response:
@@ -163,7 +162,7 @@ def test_export_over_http(gateway: GatewayProc, offline_admin_key: str) -> None:
     r = call(gateway, "GET", "/admin/export?rewarded_only=true", ADMIN)
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
     samples = [json.loads(line) for line in r.text.splitlines()]
-    mine = [s for s in samples if s["metadata"]["session_id"] == sid]
+    mine = [s for s in samples if s["session_id"] == sid]
     assert len(mine) == 1 and mine[0]["reward"] == 0.5 and sum(mine[0]["loss_mask"]) > 0
     assert all(s["reward"] is not None for s in samples)
     assert len(call(gateway, "GET", "/admin/export?status=all&limit=1", ADMIN).text.splitlines()) == 1
@@ -172,10 +171,9 @@ def test_export_over_http(gateway: GatewayProc, offline_admin_key: str) -> None:
 @pytest.fixture(scope="module")
 def limited(router_url: str, tiny_model_path: Path, work: Path) -> Iterator[GatewayProc]:
     settings = {"cors_origins": ["http://allowed.example"], "max_prompt_tokens": 40, "max_output_tokens": 4}
-    gw = start_gateway(router_url, tiny_model_path, work / "limited.db", work / "limited.log",
-                       "--log-level", "info", "--log-format", "json", settings=settings)
-    yield gw
-    stop_gateway(gw)
+    with running_gateway(router_url, tiny_model_path, work / "limited.db", work / "limited.log",
+                         "--log-level", "info", "--log-format", "json", settings=settings) as gw:
+        yield gw
 
 
 def _preflight(gw: GatewayProc, origin: str) -> httpx.Response:

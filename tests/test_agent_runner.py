@@ -8,10 +8,10 @@ import json
 
 import httpx
 import pytest
-from _gateway_helpers import GatewayProc
 
 from slime_server.agents.runner import AgentRunner, RunnerSettings
 from slime_server.envs.calculator import CalculatorEnv
+from tests._gateway_helpers import GatewayProc
 
 pytestmark = pytest.mark.timeout(300)
 

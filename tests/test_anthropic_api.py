@@ -13,13 +13,15 @@ from pathlib import Path
 import anthropic
 import httpx
 import pytest
-from _gateway_helpers import (
+
+from tests._gateway_helpers import (
     MODEL,
     TOOL_RESULT,
     TOOL_USER,
     WEATHER_TOOL,
     GatewayProc,
     check_mask,
+    check_one_turn,
     new_session,
     session_trajectories,
     start_gateway,
@@ -54,11 +56,7 @@ def test_create_and_stream_give_the_same_message_and_record(tool_gateway: Gatewa
     assert final.usage.input_tokens == plain.usage.input_tokens
     assert final.usage.output_tokens == plain.usage.output_tokens
     for sid, msg in ((sid_a, plain), (sid_b, final)):
-        (traj,) = session_trajectories(tool_gateway, sid)
-        check_mask(traj, 1)
-        (turn,) = traj["turns"]
-        assert turn["output_start"] == msg.usage.input_tokens
-        assert turn["output_end"] - turn["output_start"] == msg.usage.output_tokens
+        check_one_turn(tool_gateway, sid, msg.usage.input_tokens, msg.usage.output_tokens)
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["create", "stream"])

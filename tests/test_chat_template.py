@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from _sessions_helpers import TOOLS, assistant_text
 from transformers import AutoTokenizer
 
 from slime_server.api.chat_template import (
@@ -15,6 +14,7 @@ from slime_server.api.chat_template import (
     PrefixMismatchError,
     normalize_messages,
 )
+from tests._sessions_helpers import TOOLS, assistant_text
 
 
 @pytest.fixture(scope="module")

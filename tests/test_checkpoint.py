@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import load_result, make_batch, run_ranks, write_inputs
+
+from tests._trainer_helpers import load_result, make_batch, run_ranks, write_inputs
 
 
 @pytest.fixture(scope="module")

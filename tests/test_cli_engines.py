@@ -4,46 +4,18 @@ and leaves no engine, router or Ray process behind."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from _rollout_helpers import generate_body, pid_alive, proc_tree
+
+from tests._cli_helpers import CLI, output_lines, wait_for
+from tests._rollout_helpers import generate_body, pid_alive, proc_tree
 
 pytestmark = pytest.mark.timeout(300)
-
-CLI = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "slime-server"
-
-
-def _lines(proc: subprocess.Popen) -> queue.Queue[str]:
-    q: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            q.put(line.rstrip("\n"))
-
-    threading.Thread(target=pump, daemon=True).start()
-    return q
-
-
-def _wait_for(q: queue.Queue[str], prefix: str, timeout: float, proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = q.get(timeout=1)
-        except queue.Empty:
-            assert proc.poll() is None, f"CLI exited early with {proc.returncode}"
-            continue
-        if line.startswith(prefix):
-            return line[len(prefix):].strip()
-    raise TimeoutError(f"no {prefix!r} line within {timeout}s")
-
 
 @pytest.mark.parametrize("how", ["sigterm", "ctrl_c"])
 def test_engines_command_serves_then_exits_clean(how: str, tiny_model_path: Path, tmp_path: Path) -> None:
@@ -59,9 +31,9 @@ def test_engines_command_serves_then_exits_clean(how: str, tiny_model_path: Path
     )
     tree: dict[int, str] = {}
     try:
-        lines = _lines(proc)
-        router_url = _wait_for(lines, "router_url:", 180, proc)
-        engine_urls = [_wait_for(lines, "engine_url:", 10, proc) for _ in range(2)]
+        lines = output_lines(proc)
+        router_url = wait_for(lines, "router_url:", 180, proc)
+        engine_urls = [wait_for(lines, "engine_url:", 10, proc) for _ in range(2)]
         assert len(set(engine_urls)) == 2 and router_url not in engine_urls
 
         r = httpx.post(f"{router_url}/generate", json=generate_body(), timeout=60)

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _gateway_helpers import (
+from transformers import AutoTokenizer
+
+from tests._gateway_helpers import (
     MODEL,
     TOOL_RESULT,
     TOOL_USER,
     WEATHER_TOOL,
     GatewayProc,
 )
-from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.timeout(300)
 SYSTEM = "You are a helpful assistant."  # the agents' instructions

@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
-from _engine_helpers import hf_greedy, hf_model
 
 from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig
 from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM
 from slime_server.rollout.protocol import SamplingParams
 from slime_server.rollout.sampling import filtered_probs, sample_token
+from tests._engine_helpers import hf_greedy, hf_model
 
 PROMPT = [31, 32, 33, 34]
 

@@ -21,9 +21,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from openai import OpenAI
-from test_jobs_e2e import ADMIN, AGENT, create_job, drive, job, wait_event, wait_job
 
 from slime_server.utils.net import find_free_port
+from tests._jobs_helpers import ADMIN, AGENT, create_job, drive, job, running_stack, wait_event, wait_job
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
                  if p and os.access(p, os.X_OK)), None)
@@ -125,22 +125,8 @@ def test_dashboard_api_answers_the_admin(api_app: TestClient) -> None:
 def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     if CHROMIUM is None:
         pytest.skip("chromium not found (Debian: apt-get install chromium; .ci/run installs it)")
-    from slime_server.api.serve_cmd import start_server
-    from slime_server.config import load_settings
-
-    work = tmp_path_factory.mktemp("dashboard")
-    settings = load_settings(None, {
-        "engine": {"model": str(tiny_model_path), "num_engines": 1},
-        "ray": {"num_cpus": 3},
-        "trainer": {"work_dir": str(work / "jobs")},
-        "gateway": {"port": find_free_port(), "db_path": str(work / "db.sqlite"), "api_key": AGENT,
-                    "admin_api_key": ADMIN},
-    })
-    running = start_server(settings, settings.gateway, work / "logs")
-    try:
+    with running_stack(tiny_model_path, tmp_path_factory.mktemp("dashboard")) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")

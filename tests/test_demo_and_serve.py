@@ -13,12 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _rollout_helpers import pid_alive, proc_tree
 from openai import OpenAI
-from test_cli_engines import CLI, _lines, _wait_for
 
 from slime_server.utils.net import find_free_port
 from slime_server.utils.procs import kill_group
+from tests._cli_helpers import CLI, output_lines, wait_for
+from tests._rollout_helpers import pid_alive, proc_tree
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,13 +61,13 @@ def test_demo_records_an_episode_then_serves_until_sigterm(tiny_model_path: Path
                    "--db-path", str(db), "--log-dir", str(tmp_path / "logs")])
     tree: dict[int, str] = {}
     try:
-        lines = _lines(proc)
-        summary = json.loads(_wait_for(lines, "[demo] trajectory:", 240, proc))
+        lines = output_lines(proc)
+        summary = json.loads(wait_for(lines, "[demo] trajectory:", 240, proc))
         assert summary["segments"] == 1  # tool call + tool result + answer merged into one trajectory
         assert summary["reward"] == 1.0
         assert 0 < summary["trained_tokens"] < summary["tokens"]
         assert summary["weight_versions"] == [0]
-        _wait_for(lines, "[demo] serving", 30, proc)
+        wait_for(lines, "[demo] serving", 30, proc)
         base_url = f"http://127.0.0.1:{port}/v1"
         assert _chat(base_url) in ("stop", "length")
         tree = proc_tree(proc.pid)
@@ -87,8 +87,8 @@ def test_serve_with_api_key(tiny_model_path: Path, tmp_path: Path) -> None:
                    "--api-key", "sekret", "--db-path", str(tmp_path / "serve.db"), "--log-dir", str(tmp_path)])
     tree: dict[int, str] = {}
     try:
-        lines = _lines(proc)
-        base_url = _wait_for(lines, "openai_base_url:", 240, proc)
+        lines = output_lines(proc)
+        base_url = wait_for(lines, "openai_base_url:", 240, proc)
         assert base_url == f"http://127.0.0.1:{port}/v1"
         deadline = time.monotonic() + 30
         while True:  # uvicorn binds just after the line is printed

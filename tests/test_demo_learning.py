@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli_engines import CLI
 
 from slime_server.utils.eval_args import parse_eval_data
 from slime_server.utils.procs import kill_group
+from tests._cli_helpers import CLI
 
 pytestmark = pytest.mark.timeout(3000)
 

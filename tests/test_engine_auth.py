@@ -13,10 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _engine_helpers import engine_process
-from _sglang_source import AUTH, SGLangSourceError, fetch_all, load_by_path, route_auth_levels
 
 from slime_server.rollout.engine_auth import ADMIN_ROUTES, request_allowed
+from tests._engine_helpers import engine_process
+from tests._sglang_source import AUTH, SGLangSourceError, fetch_all, load_by_path, route_auth_levels
 
 API, ADMIN = "api-secret", "admin-secret"
 

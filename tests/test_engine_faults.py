@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _gateway_helpers import MODEL, start_gateway, stop_gateway
 
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.config import RouterSettings
@@ -28,6 +27,7 @@ from slime_server.rollout.engine_info import engine_weight_version
 from slime_server.rollout.router import RouterProcess
 from slime_server.rollout.supervisor import EngineSupervisor
 from slime_server.trainer.weight_push import WeightPusher
+from tests._gateway_helpers import MODEL, start_gateway, stop_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 CURRENT = "7"  # the version the serving engines are on; a restarted engine comes back on "0"

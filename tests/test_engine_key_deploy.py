@@ -17,13 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _rollout_helpers import generate_body
 
 from slime_server.config import EngineSettings, GatewaySettings, RaySettings, ServerSettings
 from slime_server.launch import Deployment
 from slime_server.rollout.actors import EngineActor, EngineSpec
 from slime_server.rollout.engine_auth import InsecureEngineError, auth_headers
 from slime_server.utils.net import find_free_port, is_loopback
+from tests._rollout_helpers import generate_body
 
 pytestmark = pytest.mark.timeout(300)
 UNAUTHORIZED = {"error": "Unauthorized"}

@@ -9,7 +9,8 @@ import time
 
 import httpx
 import pytest
-from _engine_helpers import engine_process
+
+from tests._engine_helpers import engine_process
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 

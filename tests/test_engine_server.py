@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from _engine_helpers import engine_process, hf_greedy, hf_logprobs, hf_model
+
+from tests._engine_helpers import engine_process, hf_greedy, hf_logprobs, hf_model
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _engine_helpers import engine_process, hf_greedy, hf_model
 
 from slime_server import weights
 from slime_server.rollout.protocol import MetaInfo
 from slime_server.utils.net import find_free_port
+from tests._engine_helpers import engine_process, hf_greedy, hf_model
 
 PROMPT = [21, 22, 23, 24, 25]
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}

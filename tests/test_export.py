@@ -1,4 +1,5 @@
-"""Export of finished trajectories as slime samples (JSONL; Parquet when pyarrow is installed)."""
+"""Export of finished trajectories as slime samples (JSONL; Parquet when pyarrow is installed), read back by
+a reader that follows slime's own ``Sample``."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from _sessions_helpers import FakeEngine, client_message
 
 from slime_server.api.chat_template import ChatRenderer
 from slime_server.buffer.export import export_jsonl, export_parquet, read_jsonl
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.sessions import SessionManager
+from tests._sessions_helpers import FakeEngine, client_message
 
 
 @pytest.fixture
@@ -44,7 +45,8 @@ def test_jsonl_has_slime_sample_fields(filled, tmp_path: Path) -> None:
     [sample] = read_jsonl(out)
     [traj] = store.get_trajectories("done")
     first, second = traj.turns
-    assert sample.tokens == traj.tokens and sample.reward == 1.0 and sample.group_index == "done"
+    assert sample.tokens == traj.tokens and sample.reward == 1.0 and sample.group_index == 0
+    assert sample.metadata["group_id"] == "done" and sample.metadata["trajectory_id"] == traj.id
     assert sample.response_length == len(traj.tokens) - first.output_start
     assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
     # Inside the response span, the tool result and the template glue are masked out.
@@ -74,9 +76,58 @@ def test_export_command_writes_jsonl_and_refuses_a_missing_store(filled, tmp_pat
     out = tmp_path / "out.jsonl"
     assert main(["export", "--db-path", str(tmp_path / "b.db"), "--output", str(out)]) == 0
     rows = read_jsonl(out)
-    assert [r.metadata["session_id"] for r in rows] == ["done"] and rows[0].reward == 1.0
+    assert [r.session_id for r in rows] == ["done"] and rows[0].reward == 1.0
     assert main(["export", "--db-path", str(tmp_path / "b.db"), "--status", "all", "-o", str(out)]) == 0
     assert len(read_jsonl(out)) == 2
     missing = tmp_path / "nope.db"
     assert main(["export", "--db-path", str(missing), "-o", str(out)]) == 2
     assert not missing.exists()
+
+
+# slime's Sample (slime/utils/types.py at THUDM/slime 624b824, read there, not from our exporter): each
+# field's allowed JSON types as its annotation and default admit them (tensor-valued fields are absent from
+# a JSON export; ``status`` is ``Status(value)``; ``from_dict`` also takes ``spec_info`` and
+# ``prefix_cache_info`` and sets any other key as an attribute).
+SLIME_SAMPLE_FIELDS: dict[str, tuple[type, ...]] = {
+    "group_index": (int, type(None)), "index": (int, type(None)), "rollout_id": (int, type(None)),
+    "prompt": (str, list), "tokens": (list,), "multimodal_inputs": (dict, type(None)),
+    "multimodal_train_inputs": (dict, type(None)), "multimodal_train_input_id": (str, type(None)),
+    "apply_chat_template_kwargs": (dict,), "response": (str,), "response_length": (int,),
+    "label": (str, type(None)), "reward": (float, int, dict, type(None)), "loss_mask": (list, type(None)),
+    "weight_versions": (list,), "rollout_log_probs": (list, type(None)), "remove_sample": (bool,),
+    "teacher_log_probs": (list, type(None)), "status": (str,), "metadata": (dict,),
+    "generate_function_path": (str, type(None)), "custom_rm_path": (str, type(None)),
+    "train_metadata": (dict, type(None)), "session_id": (str, type(None)),
+}
+SLIME_STATUS = {"pending", "completed", "truncated", "aborted", "failed"}
+SLIME_LIST_ITEMS = {"tokens": int, "loss_mask": int, "weight_versions": str, "rollout_log_probs": float}
+
+
+def slime_sample(raw: dict) -> dict:
+    """What ``Sample.from_dict`` would build from ``raw``, checked field by field against slime's types."""
+    unknown = set(raw) - set(SLIME_SAMPLE_FIELDS)
+    assert not unknown, f"not fields of slime's Sample (from_dict would set them as attributes): {unknown}"
+    for name, value in raw.items():
+        assert isinstance(value, SLIME_SAMPLE_FIELDS[name]) and not (isinstance(value, bool) and name != "remove_sample"), \
+            (name, value)
+        if name in SLIME_LIST_ITEMS and value is not None:
+            assert all(type(x) is SLIME_LIST_ITEMS[name] for x in value), (name, value[:5])
+    assert raw["status"] in SLIME_STATUS
+    assert raw["response_length"] <= len(raw["tokens"])
+    for name in ("loss_mask", "rollout_log_probs"):  # slime: they cover the response only
+        assert raw.get(name) is None or len(raw[name]) == raw["response_length"], name
+    return raw
+
+
+def test_the_export_reads_as_slime_samples(filled, tmp_path: Path) -> None:
+    store, engine = filled
+    out = tmp_path / "all.jsonl"
+    assert export_jsonl(store, out, status=None) == 2
+    done, live = [slime_sample(json.loads(line)) for line in out.read_text().splitlines()]
+    assert (done["index"], live["index"]) == (0, 1) and (done["rollout_id"], live["rollout_id"]) == (0, 1)
+    assert done["session_id"] == "done" and done["status"] == "completed"
+    # one version per generation, as slime appends SGLang's meta_info["weight_version"]: the turns ran on 1, 2
+    assert done["weight_versions"] == ["1", "2"] and live["weight_versions"] == ["0"]
+    [traj] = store.get_trajectories("done")
+    start = len(traj.tokens) - done["response_length"]
+    assert done["metadata"]["token_weight_versions"] == traj.weight_versions[start:]  # nothing lost

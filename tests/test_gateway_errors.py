@@ -10,16 +10,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _gateway_helpers import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests._gateway_helpers import (
     MODEL,
     WEATHER_TOOL,
     GatewayProc,
     openai_client,
+    running_gateway,
     start_gateway,
     stop_gateway,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
 API_KEY = "sk-test-operator"
@@ -29,9 +31,8 @@ API_KEY = "sk-test-operator"
 def gateway(router_url: str, tiny_model_path: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
     d = tmp_path_factory.mktemp("gateway")
-    gw = start_gateway(router_url, tiny_model_path, d / "traj.db", d / "gateway.log", "--api-key", API_KEY)
-    yield gw
-    stop_gateway(gw)
+    with running_gateway(router_url, tiny_model_path, d / "traj.db", d / "gateway.log", "--api-key", API_KEY) as gw:
+        yield gw
 
 
 def post(gw: GatewayProc, path: str, body: object, key: str | None = API_KEY, **kw) -> httpx.Response:

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _gateway_helpers import (
+
+from tests._gateway_helpers import (
     MODEL,
     TOOL_ARGS,
     TOOL_RESULT,

@@ -24,9 +24,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _gateway_helpers import MODEL, GatewayProc, engine_and_router, start_gateway, stop_gateway
 
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+from tests._gateway_helpers import (
+    MODEL,
+    GatewayProc,
+    engine_and_router,
+    running_gateway,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -72,9 +77,8 @@ def router_url(long_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture
 def gateway(router_url: str, long_model: Path, tmp_path: Path) -> Iterator[GatewayProc]:
-    gw = start_gateway(router_url, long_model, tmp_path / "traj.db", tmp_path / "gateway.log")
-    yield gw
-    stop_gateway(gw)
+    with running_gateway(router_url, long_model, tmp_path / "traj.db", tmp_path / "gateway.log") as gw:
+        yield gw
 
 
 def recorded(gw: GatewayProc) -> list:

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_loop_selection import RecordingTrainer, add
 
 from slime_server.buffer.job_store import SQLiteJobStore
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.jobs.manager import JobError, JobManager
 from slime_server.jobs.spec import JobSpec
+from tests._loop_helpers import RecordingTrainer, add
 
 
 @pytest.fixture

@@ -3,32 +3,27 @@ from the last checkpoint, puts back what the lost steps had consumed, and goes o
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_jobs_e2e import create_job, drive, engine_versions, store_trajectories, wait_event, wait_job
 
-from slime_server.utils.net import find_free_port
+from tests._jobs_helpers import (
+    create_job,
+    drive,
+    engine_versions,
+    start_stack,
+    store_trajectories,
+    wait_event,
+    wait_job,
+)
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 def _start(model: Path, work: Path) -> Any:
-    from slime_server.api.serve_cmd import start_server
-    from slime_server.config import load_settings
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    settings = load_settings(None, {
-        "engine": {"model": str(model), "num_engines": 1},
-        "ray": {"num_cpus": 3},
-        "trainer": {"work_dir": str(work / "jobs")},
-        "gateway": {"port": find_free_port(), "db_path": str(work / "db.sqlite"), "api_key": "agent-key",
-                    "admin_api_key": "admin-key"},
-    })
-    return start_server(settings, settings.gateway, work / "logs")
+    return start_stack(model, work)
 
 
 def test_job_resumes_after_server_restart(tiny_model_path: Path, tmp_path: Path) -> None:

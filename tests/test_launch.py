@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _rollout_helpers import generate_body, pid_alive, served_generate_count
 
 from slime_server.config import EngineSettings, RaySettings, RouterSettings, ServerSettings
 from slime_server.launch import Deployment
+from tests._rollout_helpers import generate_body, pid_alive, served_generate_count
 
 pytest.importorskip("slime_server.rollout.engine_server", reason="the CPU engine is not in this tree yet")
 pytestmark = pytest.mark.timeout(300)

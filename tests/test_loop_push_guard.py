@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_loop_selection import RecordingTrainer, add
 
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.trainer.loop import EngineControl, LoopSettings, TrainLoop
+from tests._loop_helpers import RecordingTrainer, add
 
 
 @pytest.fixture

@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _megatron_helpers import make_config, save_random_hf_model
-from _tools_helpers import load_tool
 
 from slime_server.trainer.convert import (
     export_hf_state_dict,
@@ -23,6 +21,8 @@ from slime_server.trainer.convert import (
 )
 from slime_server.trainer.model import arch_from_hf_config, build_gpt_model, forward_logits
 from slime_server.trainer.parallel import parallel_context
+from tests._megatron_helpers import make_config, save_random_hf_model
+from tests._tools_helpers import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _megatron_helpers import make_config
 
 from slime_server.trainer.megatron_cpu import apply_cpu_patches, cuda_available
 from slime_server.trainer.model import build_gpt_model, forward_logits
 from slime_server.trainer.parallel import parallel_context
+from tests._megatron_helpers import make_config
 
 pytestmark = pytest.mark.skipif(cuda_available(), reason="CPU patches are inactive on a GPU build")
 

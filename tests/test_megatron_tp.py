@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _megatron_helpers import make_config, save_random_hf_model
 
 from slime_server.trainer.convert import export_hf_state_dict, load_hf_checkpoint_into, read_hf_state_dict
 from slime_server.trainer.model import build_gpt_model, forward_logits
 from slime_server.trainer.parallel import parallel_context
 from slime_server.utils.net import find_free_port
+from tests._megatron_helpers import make_config, save_random_hf_model
 
 WORKER = Path(__file__).with_name("_megatron_tp_worker.py")
 REPO = Path(__file__).resolve().parents[1]

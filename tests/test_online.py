@@ -12,13 +12,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _gateway_helpers import MODEL, GatewayProc, openai_client, start_gateway, stop_gateway
-from _judge_helpers import HINT, running_judge
 
 from slime_server.buffer.schema import Trajectory, Turn
 from slime_server.online.feedback import sample_session_id, score_tokens, turn_sample
 from slime_server.online.judge import majority, parse_vote
 from slime_server.trainer.loop import OPDWeights, to_train_sample, with_opd
+from tests._gateway_helpers import (
+    MODEL,
+    GatewayProc,
+    openai_client,
+    running_gateway,
+)
+from tests._judge_helpers import HINT, running_judge
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,10 +62,9 @@ def judge() -> Iterator[tuple[str, list[str]]]:
 @pytest.fixture(scope="module")
 def online_gateway(router_url: str, tiny_model_path: Path, judge, tmp_path_factory) -> Iterator[GatewayProc]:
     d = tmp_path_factory.mktemp("online")
-    gw = start_gateway(router_url, tiny_model_path, d / "traj.db", d / "gateway.log", "--online",
-                       "--judge-url", judge[0])
-    yield gw
-    stop_gateway(gw)
+    with running_gateway(router_url, tiny_model_path, d / "traj.db", d / "gateway.log", "--online",
+                         "--judge-url", judge[0]) as gw:
+        yield gw
 
 
 def _sample(gw: GatewayProc, session_id: str, timeout: float = 60.0) -> dict:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _judge_helpers import running_judge
-from test_cli_engines import CLI, _lines, _wait_for
 
 from slime_server.online.simulate import UserDislikes, disliked_rate, simulate
 from slime_server.utils.net import find_free_port
 from slime_server.utils.procs import stop_leader
+from tests._cli_helpers import CLI, output_lines, wait_for
+from tests._judge_helpers import running_judge
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -37,9 +37,9 @@ def test_online_serving_judges_trains_and_pushes_without_failures(tiny_model_pat
              "--online-lr", "1e-3", "--online-batch-size", "16"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         try:
-            lines = _lines(proc)
-            job_id = _wait_for(lines, "online job:", 240, proc)  # printed before the URL line
-            _wait_for(lines, "openai_base_url:", 60, proc)
+            lines = output_lines(proc)
+            job_id = wait_for(lines, "online job:", 240, proc)  # printed before the URL line
+            wait_for(lines, "openai_base_url:", 60, proc)
             base = f"http://127.0.0.1:{port}/v1"
             too_long = UserDislikes(forbidden=None, max_chars=24)
 

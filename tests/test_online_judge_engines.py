@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_cli_engines import CLI, _lines, _wait_for
 
 from slime_server.online.simulate import simulate
 from slime_server.utils.net import find_free_port
 from slime_server.utils.procs import stop_leader
+from tests._cli_helpers import CLI, output_lines, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,13 +40,13 @@ def test_judge_on_its_own_engines_is_used_and_never_trained(tiny_model_path: Pat
          "--judge-engines", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
-        lines = _lines(proc)
-        router_url = _wait_for(lines, "router_url:", 240, proc)
-        judge_line = _wait_for(lines, "judge_base_url:", 240, proc)
+        lines = output_lines(proc)
+        router_url = wait_for(lines, "router_url:", 240, proc)
+        judge_line = wait_for(lines, "judge_base_url:", 240, proc)
         judge_url, judge_router, judge_db = re.match(
             r"(\S+) \(router (\S+), 1 engine\(s\), calls recorded in (\S+)\)", judge_line).groups()
-        _wait_for(lines, "online job:", 120, proc)
-        _wait_for(lines, "openai_base_url:", 60, proc)
+        wait_for(lines, "online job:", 120, proc)
+        wait_for(lines, "openai_base_url:", 60, proc)
         assert judge_url != f"http://127.0.0.1:{port}/v1" and judge_router != router_url
         judge_version = engine_versions(judge_router)
 

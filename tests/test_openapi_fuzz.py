@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 import schemathesis
-from _gateway_helpers import MODEL, inprocess_gateway
 from hypothesis import HealthCheck, settings
 from hypothesis import seed as hypothesis_seed
 
 from slime_server.api.protocol import MAX_N as MAX_N_SPEC
+from tests._gateway_helpers import MODEL, inprocess_gateway
 
 # Fresh examples on every run, within the fixed budget of max_examples: the seed is drawn per run by
 # conftest.py (printed in pytest's header as "fuzz seed"); SLIME_FUZZ_SEED=<seed> replays a run.

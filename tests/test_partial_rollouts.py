@@ -14,7 +14,8 @@ import time
 
 import httpx
 import pytest
-from _gateway_helpers import MODEL, GatewayProc, openai_client
+
+from tests._gateway_helpers import MODEL, GatewayProc, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 

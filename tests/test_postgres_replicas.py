@@ -14,14 +14,15 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _gateway_helpers import (
+
+from tests._gateway_helpers import (
     MODEL,
     GatewayProc,
     openai_client,
     start_gateway,
     stop_gateway,
 )
-from _postgres_helpers import PgCluster, create_database, find_bindir
+from tests._postgres_helpers import PgCluster, create_database, find_bindir
 
 pytestmark = pytest.mark.slow
 ADMIN = "sk-test-admin"

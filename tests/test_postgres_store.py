@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import test_sqlite_store as contract
-from _postgres_helpers import PgCluster, admin_execute, create_database, drop_database, find_bindir
 from test_sqlite_store import _traj, _write
 
 from slime_server.buffer.open import is_postgres_url, open_job_store, open_key_store, open_store
@@ -39,6 +38,7 @@ from slime_server.buffer.schema import (
 )
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.buffer.store import ResponseRef, TurnWrite
+from tests._postgres_helpers import PgCluster, admin_execute, create_database, drop_database, find_bindir
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg missing: install the 'postgres' extra")
 from slime_server.buffer.postgres_store import PostgresTrajectoryStore  # noqa: E402
@@ -400,7 +400,7 @@ def test_export_command_reads_a_postgres_store(store: PostgresTrajectoryStore, d
     out = tmp_path / "out.jsonl"
     assert main(["export", "--db-path", db_url, "-o", str(out)]) == 0
     [row] = read_jsonl(out)
-    assert row.reward == 1.0 and row.tokens == t.tokens and row.metadata["session_id"] == "done"
+    assert row.reward == 1.0 and row.tokens == t.tokens and row.session_id == "done"
 
 
 def test_token_columns_hold_the_same_bytes_as_sqlite(store: PostgresTrajectoryStore, db_url: str,

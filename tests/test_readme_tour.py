@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from slime_server.utils.net import find_free_port
+from slime_server.utils.procs import stop_leader
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -82,12 +82,7 @@ def port(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Ite
             time.sleep(1)
         yield port
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_leader(proc, timeout=60)
         log.close()
 
 

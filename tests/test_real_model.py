@@ -9,7 +9,6 @@ engine's logprobs within 1e-4 of the trainer's.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -21,8 +20,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from _engine_helpers import engine_process, hf_logprobs
-from _weight_push_helpers import hf_reference, perturbed, version_of
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from slime_server.trainer.convert import (
@@ -34,7 +31,9 @@ from slime_server.trainer.convert import (
 from slime_server.trainer.model import build_gpt_model, forward_logits
 from slime_server.trainer.parallel import parallel_context
 from slime_server.trainer.weight_push import WeightPusher
-from slime_server.utils.net import find_free_port
+from tests._engine_helpers import engine_process, hf_logprobs
+from tests._jobs_helpers import start_stack
+from tests._weight_push_helpers import hf_reference, perturbed, version_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -148,18 +147,7 @@ def test_live_job_first_step_sees_the_engines_logprobs(real_model_path: Path,
                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
     from openai import OpenAI
 
-    from slime_server.api.serve_cmd import start_server
-    from slime_server.config import load_settings
-
-    work = tmp_path_factory.mktemp("job")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    settings = load_settings(None, {
-        "engine": {"model": str(real_model_path), "num_engines": 1},
-        "ray": {"num_cpus": 3},
-        "trainer": {"work_dir": str(work / "jobs")},
-        "gateway": {"port": find_free_port(), "db_path": str(work / "db.sqlite")},
-    })
-    running = start_server(settings, settings.gateway, work / "logs")
+    running = start_stack(real_model_path, tmp_path_factory.mktemp("job"), keys=False)
     try:
         base = running.base_url.removesuffix("/v1")
         with httpx.Client(base_url=base, timeout=300) as c:

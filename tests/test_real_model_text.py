@@ -17,9 +17,17 @@ from pathlib import Path
 
 import openai
 import pytest
-from _gateway_helpers import MODEL, GatewayProc, engine_and_router, openai_client, start_gateway, stop_gateway
 
 from slime_server.api.token_text import incomplete_utf8_tail
+from tests._gateway_helpers import (
+    MODEL,
+    GatewayProc,
+    engine_and_router,
+    openai_client,
+    running_gateway,
+    start_gateway,
+    stop_gateway,
+)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 pytestmark = pytest.mark.slow
@@ -45,9 +53,8 @@ def router_url(real_model_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="module")
 def gateway(router_url: str, real_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
     d = tmp_path_factory.mktemp("gateway")
-    gw = start_gateway(router_url, real_model_path, d / "traj.db", d / "gateway.log")
-    yield gw
-    stop_gateway(gw)
+    with running_gateway(router_url, real_model_path, d / "traj.db", d / "gateway.log") as gw:
+        yield gw
 
 
 def _ask(gw: GatewayProc, stream: bool, **kw) -> tuple[str, list[int], str, list[dict]]:

@@ -12,13 +12,15 @@ import json
 import httpx
 import openai
 import pytest
-from _gateway_helpers import (
+
+from tests._gateway_helpers import (
     MODEL,
     TOOL_RESULT,
     TOOL_USER,
     WEATHER_TOOL,
     GatewayProc,
     check_mask,
+    check_one_turn,
     new_session,
     openai_client,
     session_trajectories,
@@ -57,11 +59,7 @@ def test_create_and_stream_agree_and_are_recorded(tool_gateway: GatewayProc) -> 
     if helper is not None:
         assert helper.output_text == plain.output_text
     for sid, resp in ((sid_a, plain), (sid_b, final)):
-        (traj,) = session_trajectories(tool_gateway, sid)
-        check_mask(traj, 1)
-        (turn,) = traj["turns"]
-        assert turn["output_start"] == resp.usage.input_tokens
-        assert turn["output_end"] - turn["output_start"] == resp.usage.output_tokens
+        check_one_turn(tool_gateway, sid, resp.usage.input_tokens, resp.usage.output_tokens)
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["create", "stream"])

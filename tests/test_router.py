@@ -9,11 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _rollout_helpers import generate_body, pid_alive, served_generate_count
 
 from slime_server.config import RouterSettings
 from slime_server.rollout.actors import EngineActor, EngineSpec
 from slime_server.rollout.router import RouterError, RouterProcess, build_router_cmd
+from tests._rollout_helpers import generate_body, pid_alive, served_generate_count
 
 pytestmark = pytest.mark.timeout(240)
 

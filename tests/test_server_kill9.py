@@ -25,12 +25,12 @@ from typing import Any, TypeVar
 import httpx
 import openai
 import pytest
-from _rollout_helpers import pid_alive, proc_tree
 from openai import OpenAI
-from test_cli_engines import CLI, _lines, _wait_for
-from test_jobs_e2e import ADMIN, AGENT, create_job, drive, wait_event, wait_job
 
 from slime_server.utils.net import find_free_port
+from tests._cli_helpers import CLI, output_lines, wait_for
+from tests._jobs_helpers import ADMIN, AGENT, create_job, drive, wait_event, wait_job
+from tests._rollout_helpers import pid_alive, proc_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 T = TypeVar("T")
@@ -43,7 +43,7 @@ def _serve(model: Path, work: Path, port: int) -> tuple[subprocess.Popen, Simple
          "--api-key", AGENT, "--admin-api-key", ADMIN, "--db-path", str(work / "db.sqlite"),
          "--trainer-work-dir", str(work / "jobs"), "--log-dir", str(work / "logs")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    base_url = _wait_for(_lines(proc), "openai_base_url:", 240, proc)
+    base_url = wait_for(output_lines(proc), "openai_base_url:", 240, proc)
     deadline = time.monotonic() + 30
     while True:  # uvicorn binds just after the line is printed
         try:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _tools_helpers import load_tool
+
+from tests._tools_helpers import load_tool
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -6,7 +6,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from _sessions_helpers import TOOLS, FakeEngine, assert_mask_invariant, client_message
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
@@ -14,6 +13,7 @@ from slime_server.api.chat_template import ChatRenderer, ChatTemplateError
 from slime_server.buffer.schema import SessionClosedError
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.sessions import ChoiceResult, SessionManager
+from tests._sessions_helpers import TOOLS, FakeEngine, assert_mask_invariant, client_message
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from _sessions_helpers import TOOLS, FakeEngine, assert_mask_invariant, client_message
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +21,7 @@ from slime_server.buffer.schema import StoreError
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.models.tiny import ensure_tiny_model
 from slime_server.sessions import SessionManager
+from tests._sessions_helpers import TOOLS, FakeEngine, assert_mask_invariant, client_message
 
 TEXT = st.one_of(st.text(alphabet="ab c,.\n{}\"é7", max_size=10),
                  st.sampled_from(["", "<|im_end|>", "<tool_call>", " hello", "</think>"]))

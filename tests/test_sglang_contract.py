@@ -28,7 +28,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from _sglang_source import (
+
+from slime_server.rollout.protocol import SGLANG_ROUTES, GenerateOutput
+from tests._sglang_source import (
     COMMON,
     SGLANG_VERSION,
     TENSOR_BUCKET,
@@ -43,8 +45,6 @@ from _sglang_source import (
     safe_unpickler_allowed_globals,
     safe_unpickler_class,
 )
-
-from slime_server.rollout.protocol import SGLANG_ROUTES, GenerateOutput
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
@@ -218,7 +218,7 @@ def test_partial_rollout_continuation_bodies_pass_sglang_contract() -> None:
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_path, tmp_path_factory):
-    from _engine_helpers import engine_process
+    from tests._engine_helpers import engine_process
 
     with engine_process(tiny_model_path, tmp_path_factory.mktemp("engine"), "--max-running-requests", "4") as u:
         yield u

@@ -11,7 +11,6 @@ import types
 from typing import Any
 
 import pytest
-from _sglang_source import sglang_file
 
 from slime_server.cli import build_parser, settings_from_args
 from slime_server.config import EngineSettings, split_passthrough
@@ -23,6 +22,7 @@ from slime_server.rollout.sglang_launcher import (
     server_arg_names,
     sglang_flag_args,
 )
+from tests._sglang_source import sglang_file
 
 
 def test_command_from_cli_flags_exactly() -> None:

@@ -24,11 +24,11 @@ from typing import Any
 
 import httpx
 import pytest
-from _gateway_helpers import MODEL, inprocess_gateway, start_gateway, stop_gateway
-from _sessions_helpers import FakeEngine
 
 from slime_server.buffer.schema import StoreUnavailable
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+from tests._gateway_helpers import MODEL, inprocess_gateway, start_gateway, stop_gateway
+from tests._sessions_helpers import FakeEngine
 
 FAULTS = ["read_only", "disk_full"]
 SQLITE_FULL = 13

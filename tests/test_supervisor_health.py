@@ -23,8 +23,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _engine_helpers import engine_process
-from _rollout_helpers import generate_body
 from fastapi import FastAPI, Request, Response
 
 from slime_server.api.gateway_thread import GatewayThread
@@ -32,6 +30,8 @@ from slime_server.config import RouterSettings
 from slime_server.rollout.router import RouterProcess
 from slime_server.rollout.supervisor import EngineSupervisor
 from slime_server.utils.net import find_free_port
+from tests._engine_helpers import engine_process
+from tests._rollout_helpers import generate_body
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import make_batch
+
+from tests._trainer_helpers import make_batch
 
 torch.set_num_threads(2)
 

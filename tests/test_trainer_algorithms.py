@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trainer_helpers import make_batch
+
+from tests._trainer_helpers import make_batch
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from _megatron_helpers import make_config, save_random_hf_model
-from _trainer_helpers import load_result, make_batch, run_ranks, write_inputs
+
+from tests._megatron_helpers import make_config, save_random_hf_model
+from tests._trainer_helpers import load_result, make_batch, run_ranks, write_inputs
 
 STEPS = 3
 

@@ -30,16 +30,13 @@ from typing import Any
 
 import httpx
 import pytest
-from _netns_helpers import netns_pids, two_namespaces
 from openai import OpenAI
 
-from slime_server.utils.net import find_free_port
 from slime_server.utils.procs import kill_group
+from tests._jobs_helpers import ADMIN, AGENT, job_events, start_stack
+from tests._netns_helpers import netns_pids, two_namespaces
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
-
-ADMIN = "two-node-admin"
-AGENT = "two-node-agent"
 
 
 @pytest.fixture
@@ -73,29 +70,14 @@ def _episode(base_url: str, model: str, i: int) -> None:
         c.post(f"/sessions/{sid}/close").raise_for_status()
 
 
-def _events(admin: httpx.Client, job_id: str) -> list[dict[str, Any]]:
-    with admin.stream("GET", f"/jobs/{job_id}/events", params={"follow": "false"}) as r:
-        assert r.status_code == 200
-        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
-
-
 def test_job_on_two_nodes_pushes_across_with_the_engine_key(cluster: Any, tiny_model_path: Path,
                                                              tmp_path: Path) -> None:
     import ray
 
-    from slime_server.api.serve_cmd import start_server
-    from slime_server.config import load_settings
-
-    settings = load_settings(None, {
-        "engine": {"model": str(tiny_model_path), "num_engines": 1, "host": "0.0.0.0",
-                   "ray_resources": {"engine_node": 1}},
-        "ray": {"address": cluster.address},
-        "trainer": {"work_dir": str(tmp_path / "jobs"), "ray_resources": {"trainer_node": 1},
-                    "weight_sync": "distributed"},
-        "gateway": {"port": find_free_port(), "db_path": str(tmp_path / "db.sqlite"), "api_key": AGENT,
-                    "admin_api_key": ADMIN},
-    })
-    running = start_server(settings, settings.gateway, tmp_path / "logs")
+    running = start_stack(tiny_model_path, tmp_path,
+                          engine={"host": "0.0.0.0", "ray_resources": {"engine_node": 1}},
+                          ray={"address": cluster.address},
+                          trainer={"ray_resources": {"trainer_node": 1}, "weight_sync": "distributed"})
     trainer_nodes: list[list[str]] = []
     make_trainer = running.jobs.make_trainer
 
@@ -140,7 +122,7 @@ def test_job_on_two_nodes_pushes_across_with_the_engine_key(cluster: Any, tiny_m
         (ranks,) = trainer_nodes
         assert ranks and engine_status.node_id not in ranks
         assert all("trainer_node" in nodes[n] for n in ranks)
-        pushes = [e["data"] for e in _events(admin, job_id) if e["kind"] == "weights_pushed"]
+        pushes = [e["data"] for e in job_events(admin, job_id) if e["kind"] == "weights_pushed"]
         assert [p["version"] for p in pushes][-1] == version and len(pushes) >= 3
         assert {p["mode"] for p in pushes} == {"distributed"}  # the broadcast path, across the nodes
         info = httpx.get(f"{url}/model_info", timeout=10, headers={"Authorization": f"Bearer {key}"}).json()

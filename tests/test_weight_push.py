@@ -11,16 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _engine_helpers import hf_greedy, hf_logprobs
-from _weight_push_helpers import (
-    NEW_TOKENS,
-    PROMPT,
-    engine_processes,
-    greedy,
-    hf_reference,
-    perturbed,
-    version_of,
-)
 
 from slime_server.trainer.convert import iter_hf_tensors, load_hf_checkpoint_into
 from slime_server.trainer.model import build_gpt_model
@@ -32,6 +22,16 @@ from slime_server.trainer.weight_push import (
     mark_last,
 )
 from slime_server.utils.net import find_free_port
+from tests._engine_helpers import hf_greedy, hf_logprobs
+from tests._weight_push_helpers import (
+    NEW_TOKENS,
+    PROMPT,
+    engine_processes,
+    greedy,
+    hf_reference,
+    perturbed,
+    version_of,
+)
 
 pytestmark = pytest.mark.timeout(180)
 

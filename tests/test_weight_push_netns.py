@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _netns_helpers import two_namespaces
-from _tools_helpers import load_tool
 
 from slime_server.models.tiny import ensure_tiny_model
 from slime_server.rollout.engine_auth import KEY_ENV
 from slime_server.utils.procs import kill_group, spawn
+from tests._netns_helpers import two_namespaces
+from tests._tools_helpers import load_tool
 
 pytestmark = pytest.mark.timeout(420)
 NET = "10.213.7"  # the two test hosts' own link (made here, removed after)

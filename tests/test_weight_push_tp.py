@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _engine_helpers import hf_greedy, hf_logprobs
-from _weight_push_helpers import NEW_TOKENS, PROMPT, engine_processes, greedy, hf_reference, version_of
 
 from slime_server.utils.net import find_free_port
+from tests._engine_helpers import hf_greedy, hf_logprobs
+from tests._weight_push_helpers import NEW_TOKENS, PROMPT, engine_processes, greedy, hf_reference, version_of
 
 pytestmark = pytest.mark.timeout(240)
 

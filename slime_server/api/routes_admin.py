@@ -65,15 +65,15 @@ async def revoke_key(key_id: str, gw: GW) -> ApiKeyRecord:
 async def export(gw: GW, status: Literal["finished", "open", "aborted", "all"] = "finished",
                  rewarded_only: bool = False, limit: Annotated[int | None, Query(ge=1)] = None) -> StreamingResponse:
     """Trajectories as slime samples, one JSON object per line (what ``slime-server export`` writes)."""
-    from slime_server.buffer.export import to_sample
+    from slime_server.buffer.export import SampleNumbering
 
-    it = gw.store.iter_trajectories(status=None if status == "all" else status,
-                                    rewarded=True if rewarded_only else None)
+    it = SampleNumbering().samples(gw.store.iter_trajectories(status=None if status == "all" else status,
+                                                              rewarded=True if rewarded_only else None))
 
     def next_lines(n: int = 64) -> list[str]:
         lines = []
-        for t in it:
-            lines.append(json.dumps(to_sample(t).model_dump(), ensure_ascii=False) + "\n")
+        for sample in it:
+            lines.append(json.dumps(sample.model_dump(), ensure_ascii=False) + "\n")
             if len(lines) == n:
                 break
         return lines

@@ -1,57 +1,100 @@
 """Export trajectories as slime samples: JSONL always, Parquet when pyarrow is installed.
 
 Why slime's shape: the exported files feed slime-style tooling (replay for debug-train-only,
-offline SFT/RL, inspection) without conversion. As in slime's ``Sample``, ``tokens`` is the whole
-sequence and ``loss_mask`` / ``rollout_log_probs`` cover only its last ``response_length`` tokens
-(from the first generated token to the end; tool results inside that span have mask 0).
+offline SFT/RL, inspection) without conversion. A line is what slime's ``Sample.to_dict()`` gives and
+``Sample.from_dict()`` takes (``slime/utils/types.py``; read at THUDM/slime 624b824): the same field
+names with the same types. As in slime, ``tokens`` is the whole sequence and ``loss_mask`` /
+``rollout_log_probs`` cover only its last ``response_length`` tokens (from the first generated token to
+the end; tool results inside that span have mask 0), ``weight_versions`` has one string per generation
+(SGLang's ``meta_info.weight_version``), and ``group_index`` / ``index`` / ``rollout_id`` are ints: numbered
+in the order of the export (one int per group, per trajectory, per session), our string ids kept in
+``metadata`` (``group_id``, ``trajectory_id``) beside what slime has no field for (the per-token
+versions, turns, turn rewards).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from slime_server.buffer.schema import Trajectory, TrajectoryStatus
 from slime_server.buffer.store import TrajectoryStore
 
+SampleStatus = Literal["completed", "truncated", "aborted"]
+
 
 class ExportedSample(BaseModel):
-    """One line of the export: slime's sample fields plus where it came from."""
+    """One line of the export: the fields of slime's ``Sample`` we can fill, with its types."""
 
-    group_index: str | None
-    index: str
+    group_index: int | None
+    index: int
+    rollout_id: int
+    prompt: str = ""  # the store keeps token ids, not the messages: the text is in the tokens
     tokens: list[int]
+    response: str = ""
     response_length: int
-    loss_mask: list[int]
-    rollout_log_probs: list[float]
-    weight_versions: list[int]
+    label: str | None = None
     reward: float | None
-    status: str  # slime's: completed | truncated | aborted
+    loss_mask: list[int]
+    weight_versions: list[str]
+    rollout_log_probs: list[float]
+    status: SampleStatus
     metadata: dict[str, Any] = Field(default_factory=dict)
+    session_id: str | None
 
 
-def _sample_status(t: Trajectory) -> str:
+def _sample_status(t: Trajectory) -> SampleStatus:
     if t.status == "aborted":
         return "aborted"
     last = t.turns[-1].finish_reason if t.turns else None
     return {"length": "truncated", "abort": "aborted"}.get(last or "", "completed")
 
 
-def to_sample(t: Trajectory) -> ExportedSample:
-    n = t.response_length
-    start = len(t.tokens) - n
-    return ExportedSample(
-        group_index=t.group_id, index=t.id, tokens=t.tokens, response_length=n, loss_mask=t.loss_mask[start:],
-        rollout_log_probs=t.rollout_logprobs[start:], weight_versions=t.weight_versions[start:], reward=t.reward,
-        status=_sample_status(t),
-        metadata={**t.metadata, "session_id": t.session_id, "segment": t.segment, "branch": t.branch,
-                  "prompt_length": start, "turn_rewards": t.turn_rewards,
-                  "turns": [turn.model_dump() for turn in t.turns], "consumed_step": t.consumed_step},
-    )
+def generation_versions(t: Trajectory) -> list[str]:
+    """One version string per generation, as slime appends SGLang's ``meta_info["weight_version"]``: each
+    turn's generated tokens, split where the version changes (a continuation after a weight push)."""
+    out: list[str] = []
+    for turn in t.turns:
+        last: int | None = None
+        for pos in range(turn.output_start, turn.output_end):
+            v = t.weight_versions[pos]
+            if t.loss_mask[pos] and v != last:
+                out.append(str(v))
+                last = v
+    return out
+
+
+class SampleNumbering:
+    """The ints slime's ``Sample`` wants for our string ids, numbered in the order samples are written."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, int] = {}
+        self._sessions: dict[str, int] = {}
+        self._next_index = 0
+
+    def sample(self, t: Trajectory) -> ExportedSample:
+        n = t.response_length
+        start = len(t.tokens) - n
+        group = self._groups.setdefault(t.group_id, len(self._groups)) if t.group_id is not None else None
+        index, self._next_index = self._next_index, self._next_index + 1
+        return ExportedSample(
+            group_index=group, index=index, rollout_id=self._sessions.setdefault(t.session_id, len(self._sessions)),
+            tokens=t.tokens, response_length=n, reward=t.reward, loss_mask=t.loss_mask[start:],
+            weight_versions=generation_versions(t), rollout_log_probs=t.rollout_logprobs[start:],
+            status=_sample_status(t), session_id=t.session_id,
+            metadata={**t.metadata, "trajectory_id": t.id, "group_id": t.group_id, "segment": t.segment,
+                      "branch": t.branch, "prompt_length": start, "turn_rewards": t.turn_rewards,
+                      "token_weight_versions": t.weight_versions[start:],
+                      "turns": [turn.model_dump() for turn in t.turns], "consumed_step": t.consumed_step},
+        )
+
+    def samples(self, trajectories: Iterable[Trajectory]) -> Iterator[ExportedSample]:
+        return (self.sample(t) for t in trajectories)
 
 
 def export_jsonl(store: TrajectoryStore, path: str | Path, status: TrajectoryStatus | None = "finished",
@@ -61,9 +104,9 @@ def export_jsonl(store: TrajectoryStore, path: str | Path, status: TrajectorySta
     tmp = path.with_name(path.name + ".tmp")
     count = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for t in store.iter_trajectories(status=status, rewarded=rewarded):
+        for sample in SampleNumbering().samples(store.iter_trajectories(status=status, rewarded=rewarded)):
             # float repr round-trips exactly, so the logprobs in the file are bit-equal to the store's.
-            f.write(json.dumps(to_sample(t).model_dump(), ensure_ascii=False, allow_nan=True) + "\n")
+            f.write(json.dumps(sample.model_dump(), ensure_ascii=False, allow_nan=True) + "\n")
             count += 1
         f.flush()
         os.fsync(f.fileno())
@@ -85,15 +128,16 @@ def export_parquet(store: TrajectoryStore, path: str | Path, status: TrajectoryS
     except ImportError as exc:  # optional dependency
         raise RuntimeError("Parquet export needs pyarrow: pip install pyarrow") from exc
     rows = []
-    for t in store.iter_trajectories(status=status, rewarded=rewarded):
-        d = to_sample(t).model_dump()
+    for sample in SampleNumbering().samples(store.iter_trajectories(status=status, rewarded=rewarded)):
+        d = sample.model_dump()
         d["metadata"] = json.dumps(d["metadata"])
         rows.append(d)
     schema = pa.schema([
-        ("group_index", pa.string()), ("index", pa.string()), ("tokens", pa.list_(pa.int32())),
-        ("response_length", pa.int64()), ("loss_mask", pa.list_(pa.int8())),
-        ("rollout_log_probs", pa.list_(pa.float64())), ("weight_versions", pa.list_(pa.int64())),
-        ("reward", pa.float64()), ("status", pa.string()), ("metadata", pa.string()),
+        ("group_index", pa.int64()), ("index", pa.int64()), ("rollout_id", pa.int64()), ("prompt", pa.string()),
+        ("tokens", pa.list_(pa.int32())), ("response", pa.string()), ("response_length", pa.int64()),
+        ("label", pa.string()), ("reward", pa.float64()), ("loss_mask", pa.list_(pa.int8())),
+        ("weight_versions", pa.list_(pa.string())), ("rollout_log_probs", pa.list_(pa.float64())),
+        ("status", pa.string()), ("metadata", pa.string()), ("session_id", pa.string()),
     ])
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), str(path))
     return len(rows)
