@@ -3,14 +3,18 @@
 Both talk to a running server's job REST API (``--url``, default the local gateway's port; the admin
 key from ``--admin-key`` or the settings' ``gateway.admin_api_key``). ``train`` submits the job spec in
 the YAML file (the ``POST /jobs`` body), follows it with one line per step (step, reward, policy
-version, tokens/s, evals), prints a summary and exits with the job's outcome: 0 completed, 1 failed or
-cancelled, 2 a spec the server (or the local validation) refused, with its message.
+version, tokens/s, evals), prints a summary (where its checkpoints and TensorBoard files are) and exits
+with the job's outcome: 0 completed, 1 failed or cancelled, 2 a spec the server (or the local
+validation) refused, with its message. ``train --local`` needs no server: it starts what ``serve`` would
+(engines, sgl-router, gateway, trainer; the settings tree chooses the model and engines) for this one
+job on a free port, and stops it when the job ends (Ctrl-C cancels the job first).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,6 +52,10 @@ class TrainCommand:
         parser.add_argument("--max-steps", type=int, default=None, help="override loop.max_steps")
         parser.add_argument("--no-follow", action="store_true", help="print the job id and return")
         parser.add_argument("--poll-s", type=float, default=1.0)
+        parser.add_argument("--local", action="store_true",
+                            help="start engines, router, gateway and trainer here for this job (as serve would, "
+                                 "on a free port) and stop them when it ends")
+        parser.add_argument("--log-dir", default=None, help="with --local: engine and router logs (default: temp)")
         _common(parser)
 
     def run(self, args: argparse.Namespace, settings: Any) -> int:
@@ -67,21 +75,63 @@ class TrainCommand:
         except ValidationError as e:
             print(f"error: {args.job_config} is not a valid job spec:\n{e}", file=sys.stderr)
             return 2
-        with _client(args, settings) as c:
-            r = c.post("/jobs", json=body)
-            if r.status_code != 200:
-                print(f"error: the server refused the job ({r.status_code}): {_error(r)}", file=sys.stderr)
+        if args.local:
+            if args.url:
+                print("error: --local starts its own server; drop --url", file=sys.stderr)
                 return 2
-            job = r.json()
-            print(f"job {job['id']} {job['status']}", flush=True)
-            if args.no_follow:
-                return 0
-            try:
-                job = follow(c, job["id"], args.poll_s)
-            except KeyboardInterrupt:
-                print(f"\nstopped following; the job goes on (slime-server jobs cancel {job['id']})", file=sys.stderr)
-                return 130
-        return 0 if job["status"] == "completed" else 1
+            return self._run_local(args, settings, body)
+        with _client(args, settings) as c:
+            return submit_and_follow(c, body, args)
+
+    def _run_local(self, args: argparse.Namespace, settings: Any, body: dict[str, Any]) -> int:
+        from slime_server.api.serve_cmd import start_server
+        from slime_server.utils.net import find_free_port
+
+        gw = settings.gateway.model_copy(update={"host": "127.0.0.1", "port": find_free_port()})
+        print(f"[train] starting a local server for this job ({settings.engine.num_engines} engine(s), "
+              f"model {settings.engine.model})", flush=True)
+        running = start_server(settings, gw, args.log_dir)
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM cancels the job and stops all, as Ctrl-C
+        try:
+            key = gw.admin_api_key or gw.api_key
+            with httpx.Client(base_url=running.base_url.removesuffix("/v1"), timeout=60,
+                              headers={"Authorization": f"Bearer {key}"} if key else {}) as c:
+                return submit_and_follow(c, body, args, cancel_on_interrupt=True)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            running.stop()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def submit_and_follow(c: httpx.Client, body: dict[str, Any], args: argparse.Namespace, *,
+                      cancel_on_interrupt: bool = False) -> int:
+    """POST the job, follow it unless ``--no-follow``; the command's exit code."""
+    try:
+        r = c.post("/jobs", json=body)
+    except httpx.ConnectError:
+        print(f"error: no server at {c.base_url} (start one with `slime-server serve`, pass --url, or run the "
+              "job with --local)", file=sys.stderr)
+        return 2
+    if r.status_code != 200:
+        print(f"error: the server refused the job ({r.status_code}): {_error(r)}", file=sys.stderr)
+        return 2
+    job = r.json()
+    print(f"job {job['id']} {job['status']}", flush=True)
+    if args.no_follow:
+        return 0
+    try:
+        job = follow(c, job["id"], args.poll_s)
+    except KeyboardInterrupt:
+        if cancel_on_interrupt:
+            c.post(f"/jobs/{job['id']}/cancel")
+            print(f"\ncancelled job {job['id']}", file=sys.stderr)
+        else:
+            print(f"\nstopped following; the job goes on (slime-server jobs cancel {job['id']})", file=sys.stderr)
+        return 130
+    return 0 if job["status"] == "completed" else 1
 
 
 def follow(c: httpx.Client, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
@@ -112,6 +162,8 @@ def follow(c: httpx.Client, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
     print(f"job {job_id} {job['status']}: {job['step']} steps, policy version {job['policy_version']}, "
           f"{job['restarts']} restarts" + (f", last checkpoint {ckpt}" if ckpt else "")
           + (f"\nerror: {job['error']}" if job.get("error") else ""), flush=True)
+    if job.get("work_dir"):
+        print(f"job files: {job['work_dir']} (TensorBoard: {job['work_dir']}/tb)", flush=True)
     return job
 
 

@@ -67,7 +67,7 @@ class JobManager:
         self.jobs = jobs
         self.make_trainer = make_trainer
         self.engine_urls = engine_urls
-        self.work_dir = Path(work_dir)
+        self.work_dir = Path(work_dir).resolve()
         self.served_model = served_model
         self.loop_hook = loop_hook or (lambda loop: None)
         self._running: dict[str, _Running] = {}
@@ -112,10 +112,10 @@ class JobManager:
         return self.get(job_id)
 
     def get(self, job_id: str) -> JobView:
-        return view(self._row(job_id))
+        return view(self._row(job_id), str(self.work_dir / job_id))
 
     def list(self) -> list[JobView]:
-        return [view(r) for r in self.jobs.list_jobs()]
+        return [view(r, str(self.work_dir / r.id)) for r in self.jobs.list_jobs()]
 
     def pause(self, job_id: str) -> JobView:
         return self._transition(job_id, {"running": "paused", "queued": "paused"}, "pause",

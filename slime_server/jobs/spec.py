@@ -160,15 +160,17 @@ class JobView(BaseModel):
     waiting: str | None = Field(None, description="why the job is not training now (None: it is, or it "
                                 "has not looked at the buffer yet)")
     error: str | None
+    work_dir: str | None = Field(None, description="the job's directory on the server: checkpoints, tb/ "
+                                 "(TensorBoard), the trainer ranks' logs")
     created_at: float
     updated_at: float
 
 
-def view(row: JobRow) -> JobView:
+def view(row: JobRow, work_dir: str | None = None) -> JobView:
     st = LoopState.model_validate(row.state)
     return JobView(id=row.id, name=row.spec.get("name"), status=row.status, spec=row.spec, step=st.step,
                    policy_version=st.version, checkpoints=[c.model_dump() for c in st.checkpoints],
                    dropped_stale=st.dropped_stale, dropped_zero_variance=st.dropped_zero_variance,
                    dropped_incomplete=st.dropped_incomplete, downweighted=st.downweighted, restarts=st.restarts,
-                   waiting=st.waiting if row.status == "running" else None, error=row.error,
+                   waiting=st.waiting if row.status == "running" else None, error=row.error, work_dir=work_dir,
                    created_at=row.created_at, updated_at=row.updated_at)
