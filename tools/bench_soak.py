@@ -48,6 +48,18 @@ class MemorySeries(BaseModel):
     slope_mb_per_min: float
 
 
+class SoakWindow(BaseModel):
+    """One stretch of the run (``--window-s``): episodes started in it, their turns, the RSS of each process."""
+
+    start_s: float
+    end_s: float
+    episodes: int
+    errors: int
+    turn_p50_ms: float
+    turn_p99_ms: float
+    rss_mb: dict[str, float]  # mean over the window's samples
+
+
 class SoakResult(BaseModel):
     agents: int
     engines: int
@@ -64,6 +76,9 @@ class SoakResult(BaseModel):
     pushes: int  # pushes that completed (every engine on the new version)
     push_errors: list[str]  # pushes that failed, in order (the soak goes on pushing)
     memory: list[MemorySeries]
+    windows: list[SoakWindow] = []
+    # per process: RSS slope after the first window (warm-up), MB per 10 min (goal < 5)
+    growth_after_warmup_mb_per_10min: dict[str, float] = {}
     rewards_acknowledged: int
     rewards_in_store: int
 
@@ -92,6 +107,31 @@ def series(name: str, samples: list[tuple[float, float]]) -> MemorySeries:
     slope = statistics.linear_regression(ts, ys).slope * 60 if len(ys) > 1 and len(set(ts)) > 1 else 0.0
     return MemorySeries(name=name, first_mb=round(first, 1), last_mb=round(last, 1), growth_mb=round(last - first, 1),
                         slope_mb_per_min=round(slope, 2))
+
+
+def windows(episodes: list[Episode], t_start: float, elapsed: float, window_s: float,
+            mem: dict[str, list[tuple[float, float]]]) -> list[SoakWindow]:
+    out = []
+    n = max(1, int(elapsed // window_s + (elapsed % window_s > window_s / 2)))
+    for w in range(n):
+        lo, hi = w * window_s, (w + 1) * window_s if w < n - 1 else elapsed
+        eps = [e for e in episodes if lo <= e.start - t_start < hi]
+        turns = [ms for e in eps if e.ok for ms in e.turn_ms]
+        rss = {name: round(statistics.fmean(ys), 1) if (ys := [y for t, y in s if lo <= t < hi]) else float("nan")
+               for name, s in mem.items()}
+        out.append(SoakWindow(start_s=round(lo), end_s=round(hi), episodes=len(eps),
+                              errors=sum(not e.ok for e in eps), turn_p50_ms=round(percentile(turns, 50), 1),
+                              turn_p99_ms=round(percentile(turns, 99), 1), rss_mb=rss))
+    return out
+
+
+def growth_after_warmup(mem: dict[str, list[tuple[float, float]]], warmup_s: float) -> dict[str, float]:
+    out = {}
+    for name, s in mem.items():
+        pts = [(t, y) for t, y in s if t >= warmup_s]
+        if len(pts) > 2 and len({t for t, _ in pts}) > 1:
+            out[name] = round(statistics.linear_regression([t for t, _ in pts], [y for _, y in pts]).slope * 600, 2)
+    return out
 
 
 def agent_loop(base_url: str, stop: threading.Event, out: list[Episode], max_tokens: int) -> None:
@@ -126,7 +166,7 @@ def agent_loop(base_url: str, stop: threading.Event, out: list[Episode], max_tok
 
 def run_soak(model: str = "tiny", engines: int = 2, agents: int = 8, duration_s: float = 60.0,
              push_every_s: float = 5.0, max_tokens: int = 8, sample_every_s: float = 2.0,
-             log_dir: str | Path | None = None) -> SoakResult:
+             log_dir: str | Path | None = None, window_s: float = 300.0) -> SoakResult:
     from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
     from slime_server.trainer.weight_push import WeightPusher
 
@@ -188,7 +228,10 @@ def run_soak(model: str = "tiny", engines: int = 2, agents: int = 8, duration_s:
         episodes_per_s=round(len(ok) / elapsed, 2), turn_p50_ms=round(percentile(turn_ms, 50), 1),
         turn_p99_ms=round(percentile(turn_ms, 99), 1), turn_p99_first_half_ms=round(percentile(first, 99), 1),
         turn_p99_second_half_ms=round(percentile(second, 99), 1), pushes=pushes, push_errors=push_errors,
-        memory=[series(name, s) for name, s in mem.items()], rewards_acknowledged=len(acknowledged),
+        memory=[series(name, s) for name, s in mem.items()],
+        windows=windows(episodes, t_start, elapsed, window_s, mem),
+        growth_after_warmup_mb_per_10min=growth_after_warmup(mem, min(window_s, elapsed / 3)),
+        rewards_acknowledged=len(acknowledged),
         rewards_in_store=in_store)
 
 
@@ -200,9 +243,18 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=300.0)
     ap.add_argument("--push-every-s", type=float, default=5.0)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--window-s", type=float, default=300.0, help="report errors, latency and memory per window")
     a = ap.parse_args()
-    res = run_soak(a.model, a.engines, a.agents, a.duration_s, a.push_every_s, a.max_tokens)
+    res = run_soak(a.model, a.engines, a.agents, a.duration_s, a.push_every_s, a.max_tokens, window_s=a.window_s)
     print(json.dumps(res.model_dump(), indent=2))
+    names = list(res.windows[0].rss_mb) if res.windows else []
+    print("| window (min) | episodes | errors | turn p50 ms | turn p99 ms | " + " | ".join(f"{n} MB" for n in names) + " |")
+    print("|---" * (5 + len(names)) + "|")
+    for w in res.windows:
+        print(f"| {w.start_s / 60:.0f}-{w.end_s / 60:.0f} | {w.episodes} | {w.errors} | {w.turn_p50_ms} | {w.turn_p99_ms} | "
+              + " | ".join(f"{w.rss_mb[n]:.0f}" for n in names) + " |")
+    print("RSS slope after the first window, MB per 10 min: "
+          + ", ".join(f"{n} {v:+.2f}" for n, v in res.growth_after_warmup_mb_per_10min.items()))
     mem = ", ".join(f"{m.name} {m.first_mb:.0f}->{m.last_mb:.0f} MB ({m.slope_mb_per_min:+.2f} MB/min)"
                     for m in res.memory)
     print(f"{res.agents} agents x {res.duration_s:.0f} s, {res.pushes} pushes: {res.episodes} episodes "
