@@ -33,6 +33,7 @@ class RecordingTrainer:
         self.batches: list[list[Any]] = []
         self.kwargs: list[dict[str, Any]] = []
         self.pushes: list[int] = []
+        self.critic_calls: list[tuple[list[Any], list[list[float]]]] = []
         self.scored: list[tuple[int, bool]] = []
 
     def train_step(self, samples, **kw):
@@ -50,7 +51,8 @@ class RecordingTrainer:
 
     def train_critic(self, samples, old_values):
         self.critic = (list(samples), [list(v) for v in old_values])
-        return {"value_loss": 0.125}
+        self.critic_calls.append(self.critic)
+        return {"value_loss": 0.125 * len(self.critic_calls)}
 
     def push_weights(self, urls, version, bucket_bytes=None):
         self.pushes.append(int(version))

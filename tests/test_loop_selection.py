@@ -216,3 +216,19 @@ def test_ppo_scores_values_trains_the_policy_on_gae_then_the_critic(store, tmp_p
         pytest.approx([1.0] * 3)
     assert metrics["value_loss"] == 0.125 and metrics["explained_variance"] == pytest.approx(0.0)
     assert trainer.batches[0] == trained  # the policy trained on the same samples first
+
+
+def test_ppo_critic_steps_on_the_policys_mini_batches(store, tmp_path: Path) -> None:
+    """Issue 19: with several optimizer steps per batch the critic takes as many, on the same mini-batches, each
+    clipped around the values the advantages were computed with."""
+    lp, trainer = loop(store, tmp_path, batch_size=4, n_samples_per_prompt=1, num_steps_per_rollout=2,
+                       advantage={"estimator": "gae", "gamma": 1.0, "lam": 1.0})
+    for i, r in enumerate((1.0, 0.0, 1.0, 0.0)):
+        add(store, f"s{i}", reward=r)
+    metrics = lp.step_once()
+    assert len(trainer.batches) == 2 and len(trainer.critic_calls) == 2
+    for policy_part, (critic_part, old_values) in zip(trainer.batches, trainer.critic_calls, strict=True):
+        assert critic_part == policy_part and len(critic_part) == 2
+        assert old_values == [[0.0, 0.0, 0.0, 0.5, 0.5, 0.5]] * 2
+    assert metrics["critic_steps"] == 2 and metrics["optimizer_steps"] == 2
+    assert metrics["value_loss"] == pytest.approx((0.125 + 0.25) / 2)  # averaged over the critic's steps

@@ -384,8 +384,8 @@ class TrainLoop:
             try:
                 with self._push_lock:
                     metrics = self._train(samples, old_lp if s.num_steps_per_rollout > 1 else None)
-                    if values is not None:  # one critic step per batch, towards the GAE returns
-                        metrics.update(self.trainer.train_critic(samples, values))
+                    if values is not None:  # the critic steps on the policy's mini-batches, towards GAE returns
+                        metrics.update(self._train_critic(samples, values))
                         metrics["explained_variance"] = explained_variance(
                             values, [x.returns or [] for x in samples], [x.loss_mask for x in samples])
                     self.store.mark_consumed([t.id for t in batch.trajectories], self.state.step + 1, self.job_id)
@@ -423,13 +423,11 @@ class TrainLoop:
         import torch
 
         assert self.trainer is not None
-        n = self.settings.num_steps_per_rollout
-        size = len(samples) // n
         per_step = []
-        for i in range(n):
-            part = samples[i * size:(i + 1) * size]
-            old = None if old_lp is None else [torch.tensor(o, dtype=torch.float32) for o in old_lp[i * size:(i + 1) * size]]
-            per_step.append(dict(self.trainer.train_step(part, old_logprobs=old, bump_version=False)))
+        for part in self._minibatches(len(samples)):
+            old = None if old_lp is None else [torch.tensor(o, dtype=torch.float32) for o in old_lp[part]]
+            per_step.append(dict(self.trainer.train_step(samples[part], old_logprobs=old, bump_version=False)))
+        n = len(per_step)
         merged = {k: statistics.fmean(m[k] for m in per_step) for k in per_step[0]
                   if all(isinstance(m.get(k), int | float) for m in per_step)}
         merged.update({k: v for k, v in per_step[-1].items() if k in ("lr", "step", "policy_version")})
@@ -439,6 +437,24 @@ class TrainLoop:
         if "ratio_min" in merged:
             merged["ratio_min"] = min(m["ratio_min"] for m in per_step)
         merged["optimizer_steps"] = float(n)
+        return merged
+
+    def _minibatches(self, n_samples: int) -> list[slice]:
+        """The ``num_steps_per_rollout`` consecutive mini-batches a batch is trained in (slime's
+        ``rollout_batch_size x n_samples = global_batch_size x num_steps_per_rollout``)."""
+        n = self.settings.num_steps_per_rollout
+        size = n_samples // n
+        return [slice(i * size, (i + 1) * size) for i in range(n)]
+
+    def _train_critic(self, samples: list[TrainSample], values: list[list[float]]) -> dict[str, float]:
+        """One critic step per policy mini-batch, each clipped around the values the advantages were computed
+        with (as slime trains its critic on the same global batches); metrics averaged over the steps."""
+        assert self.trainer is not None
+        per_step = [self.trainer.train_critic(samples[part], values[part])
+                    for part in self._minibatches(len(samples))]
+        merged = {k: statistics.fmean(m[k] for m in per_step) for k in per_step[0]
+                  if all(isinstance(m.get(k), int | float) for m in per_step)}
+        merged["critic_steps"] = float(len(per_step))
         return merged
 
     def checkpoint(self) -> Checkpoint:
