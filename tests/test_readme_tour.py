@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slime_server.utils.net import find_free_port
+from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import stop_leader
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -70,16 +70,10 @@ def port(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Ite
     proc = subprocess.Popen([str(CLI), *argv[1:]], cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (work / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, (work / "serve.log").read_text()[-3000:]
-            time.sleep(1)
+        try:
+            wait_http_ok(f"http://127.0.0.1:{port}/health", timeout=240, interval=1.0, proc=proc)
+        except (RuntimeError, TimeoutError) as e:
+            pytest.fail(f"{e}\n{(work / 'serve.log').read_text()[-3000:]}")
         yield port
     finally:
         stop_leader(proc, timeout=60)

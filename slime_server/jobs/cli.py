@@ -26,8 +26,11 @@ FINAL = ("completed", "failed", "cancelled")
 
 
 def _client(args: argparse.Namespace, settings: Any) -> httpx.Client:
-    url = args.url or f"http://127.0.0.1:{settings.gateway.port}"
-    key = args.admin_key or settings.gateway.admin_api_key
+    return _rest(args.url or f"http://127.0.0.1:{settings.gateway.port}",
+                 args.admin_key or settings.gateway.admin_api_key)
+
+
+def _rest(url: str, key: str | None) -> httpx.Client:
     return httpx.Client(base_url=url.rstrip("/"), timeout=60,
                         headers={"Authorization": f"Bearer {key}"} if key else {})
 
@@ -93,9 +96,7 @@ class TrainCommand:
         running = start_server(settings, gw, args.log_dir)
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM cancels the job and stops all, as Ctrl-C
         try:
-            key = gw.admin_api_key or gw.api_key
-            with httpx.Client(base_url=running.base_url.removesuffix("/v1"), timeout=60,
-                              headers={"Authorization": f"Bearer {key}"} if key else {}) as c:
+            with _rest(running.base_url.removesuffix("/v1"), gw.admin_api_key or gw.api_key) as c:
                 return submit_and_follow(c, body, args, cancel_on_interrupt=True)
         finally:
             signal.signal(signal.SIGTERM, previous)

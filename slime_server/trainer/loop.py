@@ -428,8 +428,7 @@ class TrainLoop:
             old = None if old_lp is None else [torch.tensor(o, dtype=torch.float32) for o in old_lp[part]]
             per_step.append(dict(self.trainer.train_step(samples[part], old_logprobs=old, bump_version=False)))
         n = len(per_step)
-        merged = {k: statistics.fmean(m[k] for m in per_step) for k in per_step[0]
-                  if all(isinstance(m.get(k), int | float) for m in per_step)}
+        merged = _mean_metrics(per_step)
         merged.update({k: v for k, v in per_step[-1].items() if k in ("lr", "step", "policy_version")})
         for k in ("ratio_max", "tis_weight_max"):
             if k in merged:
@@ -452,8 +451,7 @@ class TrainLoop:
         assert self.trainer is not None
         per_step = [self.trainer.train_critic(samples[part], values[part])
                     for part in self._minibatches(len(samples))]
-        merged = {k: statistics.fmean(m[k] for m in per_step) for k in per_step[0]
-                  if all(isinstance(m.get(k), int | float) for m in per_step)}
+        merged = _mean_metrics(per_step)
         merged["critic_steps"] = float(len(per_step))
         return merged
 
@@ -505,3 +503,9 @@ def _is_trainer_failure(e: BaseException, alive: Callable[[], bool] | None = Non
     if isinstance(e, rex.RayTaskError):
         return alive is not None and not alive()
     return False
+
+
+def _mean_metrics(per_step: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The numeric metrics every step reported, averaged over the steps."""
+    return {k: statistics.fmean(m[k] for m in per_step) for k in per_step[0]
+            if all(isinstance(m.get(k), int | float) for m in per_step)}
