@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,29 +40,89 @@ def compose_ray_env(token_file: Path) -> dict[str, str]:
     return env | {"RAY_AUTH_TOKEN_PATH": str(token_file)}
 
 
-@pytest.fixture(scope="module")
-def token_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    tmp = tmp_path_factory.mktemp("raytoken")
-    token_file = tmp / "ray_token"
-    token_file.write_text(secrets.token_urlsafe(32) + "\n")
-    token_file.chmod(0o600)
-    port = find_free_port()
-    cmd = [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-           "--disable-usage-stats", f"--ray-client-server-port={find_free_port()}",
-           f"--dashboard-agent-listen-port={find_free_port()}", f"--temp-dir={tmp / 'ray'}"]
-    log = (tmp / "head.log").open("w")
-    proc = subprocess.Popen(cmd, env=_clean_env() | compose_ray_env(token_file), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    try:
+class TokenHead:
+    """One ``ray start --head --block`` with the compose file's auth environment.
+
+    ``--block`` kills the whole head when any Ray subprocess exits (a raylet or agent losing a port race to
+    another process on a busy machine, say); that is Ray's own start-up, outside the unit, so a head found
+    dead is started again on fresh ports, its log printed, rather than failing the test that found it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.token_file = tmp / "ray_token"
+        self.token_file.write_text(secrets.token_urlsafe(32) + "\n")
+        self.token_file.chmod(0o600)
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+        self.starts = 0
+        self.ray_dirs: list[str] = []
+
+    def _start(self) -> None:
+        self.starts += 1
+        port = find_free_port()
+        run = self.tmp / f"run{self.starts}"
+        run.mkdir()
+        self.ray_dirs.append(tempfile.mkdtemp(prefix="rt"))  # short: Ray's socket paths must fit 107 bytes
+        ports = {flag: find_free_port() for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
+                                                    "--dashboard-agent-grpc-port", "--node-manager-port",
+                                                    "--object-manager-port", "--runtime-env-agent-port",
+                                                    "--metrics-export-port")}
+        cmd = [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+               "--disable-usage-stats", f"--temp-dir={self.ray_dirs[-1]}", *(f"{k}={v}" for k, v in ports.items())]
+        self.log_path = run / "head.log"
+        with self.log_path.open("w") as log:
+            self.proc = subprocess.Popen(cmd, env=_clean_env() | compose_ray_env(self.token_file), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.address = f"127.0.0.1:{port}"
+
+    def _ready(self) -> bool:
+        """Started, and its GCS answers a client holding the token."""
         deadline = time.monotonic() + 90
-        while "Ray runtime started" not in (tmp / "head.log").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "head.log").read_text()[-2000:]
+        while "Ray runtime started" not in self.log_path.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
             time.sleep(0.5)
-        yield address, token_file
+        probe = (f"from slime_server.launch import use_ray_token\nuse_ray_token({str(self.token_file)!r})\n"
+                 f"from ray._raylet import GcsClient\nGcsClient(address={self.address!r})"
+                 ".internal_kv_get(b'k', b'', timeout=20)")
+        return _python(probe, _clean_env()).returncode == 0 and self.proc.poll() is None
+
+    def ensure(self) -> tuple[str, Path]:
+        """The running head's address and token file, starting it (again) when it is not up."""
+        for _ in range(3):
+            if self.proc is not None and self.proc.poll() is None:
+                return self.address, self.token_file
+            if self.proc is not None:
+                print(f"ray head exited ({self.proc.returncode}); its log:\n{self.log_path.read_text()[-3000:]}",
+                      file=sys.stderr)
+                self.stop()
+            self._start()
+            if not self._ready():
+                self.proc.poll()
+                if self.proc.returncode is None:  # alive but its GCS never answered: not a port race
+                    raise AssertionError(self.log_path.read_text()[-3000:])
+        raise AssertionError(f"the ray head did not stay up in 3 starts:\n{self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc, timeout=5)  # the head's whole process group (GCS, raylet, workers)
+            self.proc = None
+        for d in self.ray_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def token_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TokenHead]:
+    head = TokenHead(tmp_path_factory.mktemp("raytoken"))
+    try:
+        yield head
     finally:
-        kill_group(proc, timeout=5)  # the head's whole process group (GCS, raylet, workers)
-        log.close()
+        head.stop()
+
+
+@pytest.fixture
+def token_cluster(token_head: TokenHead) -> tuple[str, Path]:
+    return token_head.ensure()
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
