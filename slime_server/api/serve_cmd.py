@@ -60,7 +60,9 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     tr = settings.trainer
 
     def make_trainer(spec: JobSpec) -> Any:
-        temperature = spec.data.temperature if spec.data.source == "dataset" and spec.data.temperature > 0 else 1.0
+        # the policy's log-probs at its sampling temperature (RL); SFT's NLL is the model's own distribution's
+        sampled = spec.data.source == "dataset" and spec.data.temperature > 0 and spec.algorithm != "sft"
+        temperature = spec.data.temperature if sampled else 1.0
         return start_trainer_group(model_path, tr, optimizer=spec.optimizer, loss=spec.loss_config(),
                                    temperature=temperature,
                                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
@@ -77,7 +79,8 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     jobs = JobManager(gw.store, open_job_store(gw.settings.db_path), make_trainer, engine_urls, tr.work_dir,
                       served_model=gw.model_name, loop_hook=configure_loop,
                       gateway_url=f"http://{host}:{gw.settings.port}/v1", api_key=gw.settings.api_key,
-                      default_evals=default_evals or [], default_eval_env=eval_env, engine_api_key=engine_api_key)
+                      default_evals=default_evals or [], default_eval_env=eval_env, engine_api_key=engine_api_key,
+                      model_path=model_path)
     gw.jobs = jobs
     restored = jobs.restore()
     if restored:

@@ -90,7 +90,8 @@ class SampleNumbering:
             metadata={**t.metadata, "trajectory_id": t.id, "group_id": t.group_id, "segment": t.segment,
                       "branch": t.branch, "prompt_length": start, "turn_rewards": t.turn_rewards,
                       "token_weight_versions": t.weight_versions[start:],
-                      "turns": [turn.model_dump() for turn in t.turns], "consumed_step": t.consumed_step},
+                      "turns": [turn.model_dump() for turn in t.turns], "consumed_step": t.consumed_step,
+                      "consumed_job": t.consumed_job},
         )
 
     def samples(self, trajectories: Iterable[Trajectory]) -> Iterator[ExportedSample]:

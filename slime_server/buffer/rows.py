@@ -18,7 +18,7 @@ Row = Any
 
 TRAJ_COLUMNS = ("id, session_id, segment, branch, group_id, tokens, loss_mask, rollout_logprobs, "
                 "weight_versions, turns, messages, tools_digest, reward, turn_rewards, status, consumed_step, "
-                "metadata, revision, created_at, updated_at")
+                "consumed_job, metadata, revision, created_at, updated_at")
 SESSION_COLUMNS = "id, group_id, metadata, status, key_hash, owner, segment_splits, created_at, updated_at"
 
 
@@ -53,7 +53,8 @@ def traj_from_row(row: Row) -> Trajectory:
         turns=[Turn.model_validate(t) for t in json.loads(row["turns"])],
         messages=[NormalizedMessage.model_validate(m) for m in json.loads(row["messages"])],
         tools_digest=row["tools_digest"], reward=row["reward"], turn_rewards=json.loads(row["turn_rewards"]),
-        status=row["status"], consumed_step=row["consumed_step"], metadata=json.loads(row["metadata"]),
+        status=row["status"], consumed_step=row["consumed_step"], consumed_job=row["consumed_job"],
+        metadata=json.loads(row["metadata"]),
         revision=row["revision"], created_at=row["created_at"], updated_at=row["updated_at"])
 
 

@@ -157,6 +157,7 @@ class Trajectory(BaseModel):
     turn_rewards: list[float | None] = Field(default_factory=list)
     status: TrajectoryStatus = "open"
     consumed_step: int | None = None
+    consumed_job: str | None = None  # the job whose step consumed (or dropped) it; read-only here
     metadata: dict[str, Any] = Field(default_factory=dict)
     revision: int = 0  # bumped on every write; optimistic concurrency for the store
     created_at: float = Field(default_factory=now)

@@ -71,6 +71,7 @@ class TrainCommand:
             body = yaml.safe_load(args.job_config.read_text()) or {}
             if args.max_steps is not None:
                 body.setdefault("loop", {})["max_steps"] = args.max_steps
+            _absolute_paths(body)
             JobSpec.model_validate(body)  # the server validates too; this fails before any network call
         except (OSError, yaml.YAMLError) as e:
             print(f"error: cannot read {args.job_config}: {e}", file=sys.stderr)
@@ -101,6 +102,15 @@ class TrainCommand:
         finally:
             signal.signal(signal.SIGTERM, previous)
             running.stop()
+
+
+def _absolute_paths(body: dict[str, Any]) -> None:
+    """Data files named relative to where ``train`` runs, made absolute: the server (``--local``, or one on this
+    machine) resolves paths from its own working directory."""
+    sections = [body.get("data")] + list(body.get("eval") or [])
+    for section in sections:
+        if isinstance(section, dict) and isinstance(section.get("dataset"), str) and Path(section["dataset"]).exists():
+            section["dataset"] = str(Path(section["dataset"]).resolve())
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -162,6 +172,8 @@ def follow(c: httpx.Client, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
     ckpt = job["checkpoints"][-1]["path"] if job["checkpoints"] else None
     print(f"job {job_id} {job['status']}: {job['step']} steps, policy version {job['policy_version']}, "
           f"{job['restarts']} restarts" + (f", last checkpoint {ckpt}" if ckpt else "")
+          + (f", kept {job['kept']} and rejected {job['rejected']} samples" if job.get("spec", {}).get("rejection")
+             else "")
           + (f"\nerror: {job['error']}" if job.get("error") else ""), flush=True)
     if job.get("work_dir"):
         print(f"job files: {job['work_dir']} (TensorBoard: {job['work_dir']}/tb)", flush=True)

@@ -30,7 +30,9 @@ from slime_server.job_logging import JobLog, WandbUnavailable, require_wandb
 from slime_server.jobs.metrics import JOB_DROPPED, JOB_METRIC, JOB_STEP, JOB_VERSION
 from slime_server.jobs.runners import DatasetDriver, Evaluator
 from slime_server.jobs.spec import ACTIVE, EvalSpec, JobSpec, JobView, PacingSpec, view
-from slime_server.trainer.loop import EngineControl, LoopState, Trainer, TrainLoop
+from slime_server.trainer.loop import BatchSource, EngineControl, LoopState, Trainer, TrainLoop
+from slime_server.trainer.selection import Rejection
+from slime_server.trainer.sources import ConversationSource, ReplaySource
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ class _Running:
     def __init__(self, loop: TrainLoop, thread: threading.Thread, tb: Any, evaluator: Evaluator) -> None:
         self.loop, self.thread, self.tb, self.evaluator = loop, thread, tb, evaluator
         self.driver: threading.Thread | None = None
+        self.rollout_only: Callable[[], None] | None = None  # train false: the job is this, not the loop
 
 
 class JobManager:
@@ -57,8 +60,10 @@ class JobManager:
                  engine_urls: Callable[[], list[str]], work_dir: str | Path, *, served_model: str | None = None,
                  loop_hook: Callable[[TrainLoop], None] | None = None, gateway_url: str | None = None,
                  api_key: str | None = None, default_evals: list[tuple[str, str]] | None = None,
-                 default_eval_env: str | None = None, engine_api_key: str | None = None) -> None:
+                 default_eval_env: str | None = None, engine_api_key: str | None = None,
+                 model_path: str | None = None) -> None:
         self.store = store
+        self.model_path = model_path  # the served model's directory: its tokenizer renders SFT conversations
         self.engine_api_key = engine_api_key  # the engines' key, for the loop's pause/continue/version calls
         self.default_evals = default_evals or []  # (name, JSONL path) from `serve --eval-data`
         self.default_eval_env = default_eval_env
@@ -162,8 +167,8 @@ class JobManager:
     def active_pacing(self) -> PacingSpec | None:
         """The running job's pacing spec (None: no job is training, so nothing is paced)."""
         with self._lock:
-            runs = [jid for jid, r in self._running.items() if not r.loop.stop.is_set()]
-        return JobSpec.model_validate(self._row(runs[0]).spec).pacing if runs else None
+            runs = [jid for jid, r in self._running.items() if not r.loop.stop.is_set() and r.rollout_only is None]
+        return JobSpec.model_validate(self._row(runs[0]).spec).pacing if runs else None  # rollout-only: unpaced
 
     # ---------------------------------------------------------------- lifecycle
     def restore(self) -> list[str]:
@@ -248,7 +253,9 @@ class JobManager:
 
         loop = TrainLoop(self.store, lambda: self.make_trainer(spec), engines, spec.loop_settings(),
                          job_dir / "checkpoints", state=LoopState.model_validate(row.state), on_step=on_step,
-                         on_event=on_event, job_id=row.id)
+                         on_event=on_event, job_id=row.id, source=self._source(spec),
+                         supervised=spec.algorithm == "sft",
+                         rejection=Rejection(**spec.rejection.model_dump()) if spec.rejection else None)
         if row.status == "paused":
             loop.paused.set()
 
@@ -262,13 +269,32 @@ class JobManager:
         evaluator = Evaluator(spec.eval, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d), tb)
         run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb,
                        evaluator)
-        if driver is not None:
+        if driver is not None and not spec.train:
+            run.rollout_only = lambda: driver.run(passes=spec.data.epochs)
+        elif driver is not None:
             run.driver = threading.Thread(target=driver.run, name=f"driver-{row.id}", daemon=True)
         with self._lock:
             self._running[row.id] = run
         run.thread.start()
         if run.driver is not None:
             run.driver.start()
+
+    def _source(self, spec: JobSpec) -> BatchSource | None:
+        """The job's file of batches (SFT conversations, a replayed export); None: the live buffer."""
+        d, loop = spec.data, spec.loop
+        if d.source == "conversations":
+            from transformers import AutoTokenizer
+
+            if self.model_path is None:
+                raise JobError(400, "this server cannot render conversations (no model path)", "no_model_path")
+            return ConversationSource.from_file(
+                d.dataset or "", AutoTokenizer.from_pretrained(self.model_path), batch_size=loop.batch_size,
+                epochs=d.epochs, seed=d.seed, input_key=d.input_key, label_key=d.label_key, tools_key=d.tools_key,
+                system_prompt=d.system_prompt)
+        if d.source == "replay":
+            return ReplaySource(d.dataset or "", batch_size=loop.batch_size, group_size=loop.n_samples_per_prompt,
+                                job_id=d.replay_job)
+        return None
 
     def _job_log(self, row: JobRow, spec: JobSpec, job_dir: Path, restoring: bool) -> JobLog:
         """TensorBoard always; W&B if asked. A new job that cannot open its W&B run does not start
@@ -290,10 +316,14 @@ class JobManager:
             if self._row(job_id).status == "queued":
                 self.jobs.update_job(job_id, status="running")
                 self._event(job_id, "started", {})
-            loop.run()
+            if run.rollout_only is not None:
+                run.rollout_only()
+            else:
+                loop.run()
             final = self._row(job_id).status
-            if final in ("running", "paused") and not loop.stop.is_set():  # max_steps reached
-                loop.checkpoint()
+            if final in ("running", "paused") and not loop.stop.is_set():  # max_steps reached, or the data ran out
+                if loop.trainer is not None:
+                    loop.checkpoint()
                 self.jobs.update_job(job_id, status="completed", state=loop.state.model_dump())
                 self._event(job_id, "completed", {"step": loop.state.step})
             else:

@@ -34,22 +34,25 @@ class DatasetDriver:
         self.loop, self.on_event = loop, on_event
         self.episodes = 0
 
-    def run(self) -> None:
+    def run(self, passes: int | None = None) -> None:
+        """Play rounds until the loop stops, or (``passes``) until every row was played that many times."""
         import asyncio
 
         i = 0
-        while not self.loop.stop.is_set():
+        total = None if passes is None else passes * len(self.rows)
+        while not self.loop.stop.is_set() and (total is None or i < total):
             if self.loop.paused.is_set():
                 self.loop.stop.wait(0.2)
                 continue
-            chunk = [self.rows[(i + k) % len(self.rows)] for k in range(self.per_round)]
-            i += self.per_round
+            n = self.per_round if total is None else min(self.per_round, total - i)
+            chunk = [self.rows[(i + k) % len(self.rows)] for k in range(n)]
             try:
                 summary = asyncio.run(self.runner.run(chunk))
             except Exception as e:  # noqa: BLE001 - the server may be going down; retry unless stopping
                 log.warning("dataset episodes failed: %r", e)
                 self.loop.stop.wait(1.0)
                 continue
+            i += n
             self.episodes += summary.episodes
             self.on_event("episodes", {"episodes": summary.episodes, "total": self.episodes,
                                        "mean_reward": summary.mean_reward, "success_rate": summary.success_rate,

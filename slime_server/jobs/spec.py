@@ -18,7 +18,7 @@ from slime_server.trainer.optimizer import OptimizerSettings
 
 JobStatus = Literal["queued", "running", "paused", "completed", "failed", "cancelled"]
 ACTIVE: frozenset[str] = frozenset({"queued", "running", "paused"})
-Algorithm = Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
+Algorithm = Literal["grpo", "dr_grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo", "sft"]
 
 
 class _Strict(BaseModel):
@@ -26,12 +26,27 @@ class _Strict(BaseModel):
 
 
 class DataSpec(_Strict):
-    """``live``: train on whatever rewarded traffic reaches /v1. ``dataset``: the job also plays the
-    environment's episodes on its dataset through this server's /v1 (the agent runner, in-process)."""
+    """Where a job's batches come from.
 
-    source: Literal["live", "dataset"] = "live"
+    ``live``: whatever rewarded traffic reaches /v1. ``dataset``: the job also plays the environment's episodes
+    on its dataset through this server's /v1 (the agent runner, in-process). ``conversations``: an SFT file of
+    conversations (``algorithm: sft``). ``replay``: train-only on an export (``slime-server export``), with its
+    recorded tokens, masks, log-probs and rewards."""
+
+    source: Literal["live", "dataset", "conversations", "replay"] = "live"
     environment: str | None = Field(None, description="built-in name or module:attr (source=dataset)")
-    dataset: str | None = Field(None, description="JSONL path; default: the environment's generated rows")
+    dataset: str | None = Field(None, description="JSONL path: the environment's rows (default: generated), the "
+                                "conversations, or the export to replay")
+    input_key: str = Field("messages", description="conversations: the field holding the messages (or, with "
+                           "label_key, the prompt: a string or messages)")
+    label_key: str | None = Field(None, description="conversations: the field holding the answer (slime's "
+                                  "prompt/label rows); unset: the assistant messages of input_key are the targets")
+    tools_key: str = Field("tools", description="conversations: the field holding the tools offered (optional)")
+    system_prompt: str | None = Field(None, description="conversations: a system message for rows without one")
+    epochs: int = Field(1, ge=1, description="conversations: passes over the file; dataset with train false: "
+                        "passes over the rows, each played n_samples_per_prompt times")
+    replay_job: str | None = Field(None, description="replay: only the samples this job trained on, in its own "
+                                   "batches and order (the export records each sample's job and step)")
     num_prompts: int = Field(256, ge=1, description="rows generated when no dataset is given")
     seed: int = 0
     concurrency: int = Field(8, ge=1, description="episodes in flight")
@@ -72,6 +87,14 @@ class EvalSpec(_Strict):
 GROUP_BASELINES = ("grpo", "dr_grpo", "gspo", "reinforce_plus_plus_baseline")
 
 
+class RejectionSpec(_Strict):
+    """Rejection sampling (``algorithm: sft``): of each whole group, only the samples that pass train."""
+
+    threshold: float | None = Field(1.0, description="keep samples whose reward is >= this (None: any)")
+    keep: Literal["all_passing", "best_of_n"] = Field("all_passing", description="every passing sample, or only "
+                                                       "each group's best (if it passes)")
+
+
 class JobSpec(_Strict):
     """``POST /jobs`` body."""
 
@@ -82,6 +105,10 @@ class JobSpec(_Strict):
     critic: CriticSettings = Field(default_factory=CriticSettings, description="the value model of algorithm 'ppo': "
                                    "its optimizer (lr), value clipping and loss aggregation")
     data: DataSpec = Field(default_factory=DataSpec)
+    train: bool = Field(True, description="false: rollout-only (slime's debug-rollout-only): the dataset's "
+                        "episodes are played and recorded, data.epochs times over, and nothing is trained")
+    rejection: RejectionSpec | None = Field(None, description="rejection sampling: with algorithm 'sft' on "
+                                            "played or live episodes, train only the samples that pass")
     loop: LoopSettings = Field(default_factory=LoopSettings)
     loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (loss_type: the objective, "
                                  "apart from the estimator `algorithm` picks, e.g. grpo advantages under 'cispo'; "
@@ -97,6 +124,7 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
+        self._check_modes()
         if self.data.source == "dataset":
             from slime_server.envs.base import get_environment
 
@@ -106,13 +134,13 @@ class JobSpec(_Strict):
             if self.data.dataset is not None and not Path(self.data.dataset).is_file():
                 raise ValueError(f"data.dataset {self.data.dataset!r} is not a file")
             need = self.loop.batch_size + self.data.concurrency
-            if self.pacing.max_buffered < need:
+            if self.train and self.pacing.max_buffered < need:
                 # the buffer holds < batch_size samples of complete groups plus the members of the groups
                 # in flight (< concurrency); a smaller limit can pace out the episodes that would complete a
                 # group while the trainer waits for complete groups: a deadlock
                 raise ValueError(f"pacing.max_buffered ({self.pacing.max_buffered}) must be >= loop.batch_size + "
                                  f"data.concurrency ({need}) for a dataset job")
-        if self.loop.n_samples_per_prompt == 1 and self.estimator() in GROUP_BASELINES:
+        if self.algorithm != "sft" and self.loop.n_samples_per_prompt == 1 and self.estimator() in GROUP_BASELINES:
             raise ValueError(f"algorithm {self.algorithm!r} subtracts its group's mean reward: with "
                              "loop.n_samples_per_prompt 1 every advantage is 0; use 'reinforce_plus_plus' (batch "
                              "baseline) or groups of n >= 2")
@@ -123,14 +151,36 @@ class JobSpec(_Strict):
         LossConfig(**self.loss_config())  # fail at submit time, not in the trainer
         return self
 
+    def _check_modes(self) -> None:
+        d = self.data
+        if d.source in ("conversations", "replay"):
+            if not d.dataset or not Path(d.dataset).is_file():
+                raise ValueError(f"data.source {d.source!r} needs data.dataset, a JSONL file "
+                                 f"({'conversations' if d.source == 'conversations' else 'an export'})")
+        if d.source == "conversations" and self.algorithm != "sft":
+            raise ValueError("data.source 'conversations' trains supervised: set algorithm 'sft'")
+        if self.algorithm == "sft" and d.source in ("live", "dataset") and self.rejection is None:
+            raise ValueError("algorithm 'sft' on played episodes is rejection sampling: set rejection "
+                             "(e.g. {threshold: 1.0}), or train on data.source 'conversations' or 'replay'")
+        if self.rejection is not None and (self.algorithm != "sft" or d.source not in ("live", "dataset")):
+            raise ValueError("rejection sampling trains SFT on played episodes: algorithm 'sft' with data.source "
+                             "'dataset' or 'live'")
+        if not self.train and d.source != "dataset":
+            raise ValueError("train false (rollout-only) plays a dataset: data.source 'dataset' with an environment")
+        if d.replay_job is not None and d.source != "replay":
+            raise ValueError("data.replay_job is for data.source 'replay'")
+
     def estimator(self) -> Estimator:
+        if self.algorithm == "sft":
+            return "reinforce_plus_plus"  # unused: SFT computes no advantages
         return "gae" if self.algorithm == "ppo" else self.algorithm
 
     def loss_config(self) -> dict[str, Any]:
         """The trainer's LossConfig. Off-policy correction (TIS on the recorded rollout log-probs) is on by
-        default for asynchronous jobs, whose samples may be up to ``max_staleness`` versions old."""
+        default for asynchronous jobs, whose samples may be up to ``max_staleness`` versions old (not for SFT,
+        whose targets are not the policy's samples to correct)."""
         return {"loss_type": self.algorithm if self.algorithm != "dr_grpo" else "grpo",
-                "use_tis": not self.loop.sync, **self.loss}
+                "use_tis": not self.loop.sync and self.algorithm != "sft", **self.loss}
 
     def needs_reference(self) -> bool:
         """Whether the trainer keeps a frozen reference model (KL loss or KL reward shaping)."""
@@ -156,6 +206,8 @@ class JobView(BaseModel):
     dropped_zero_variance: int
     dropped_incomplete: int
     downweighted: int
+    kept: int = Field(0, description="rejection sampling: samples that passed and trained")
+    rejected: int = Field(0, description="rejection sampling: samples that did not pass (stored, never trained)")
     restarts: int
     waiting: str | None = Field(None, description="why the job is not training now (None: it is, or it "
                                 "has not looked at the buffer yet)")
@@ -171,6 +223,7 @@ def view(row: JobRow, work_dir: str | None = None) -> JobView:
     return JobView(id=row.id, name=row.spec.get("name"), status=row.status, spec=row.spec, step=st.step,
                    policy_version=st.version, checkpoints=[c.model_dump() for c in st.checkpoints],
                    dropped_stale=st.dropped_stale, dropped_zero_variance=st.dropped_zero_variance,
-                   dropped_incomplete=st.dropped_incomplete, downweighted=st.downweighted, restarts=st.restarts,
+                   dropped_incomplete=st.dropped_incomplete, downweighted=st.downweighted, kept=st.kept,
+                   rejected=st.rejected, restarts=st.restarts,
                    waiting=st.waiting if row.status == "running" else None, error=row.error, work_dir=work_dir,
                    created_at=row.created_at, updated_at=row.updated_at)

@@ -57,7 +57,7 @@ from slime_server.trainer.advantages import (
     ppo_advantages,
 )
 from slime_server.trainer.critic import explained_variance
-from slime_server.trainer.selection import Selection, select, wait_reason
+from slime_server.trainer.selection import Rejection, Selection, select, wait_reason
 from slime_server.trainer.types import TrainSample
 
 log = logging.getLogger(__name__)
@@ -147,12 +147,26 @@ class LoopState(BaseModel):
     dropped_incomplete: int = 0
     downweighted: int = 0
     restarts: int = 0
+    kept: int = 0  # rejection sampling: samples that passed and trained
+    rejected: int = 0  # ... and those that did not (dropped, stored)
     waiting: str | None = None  # why the last look at the buffer found no batch (None: training)
 
 
 class Batch(BaseModel):
-    trajectories: list[Trajectory]
+    """One step's data: the samples, each one's staleness in versions, and the store trajectories the step
+    consumes (none for a file source: SFT conversations, a replayed export)."""
+
+    samples: list[TrainSample]
     lags: list[int]
+    consume: list[str] = Field(default_factory=list)
+
+
+class BatchSource(Protocol):
+    """Where a job's batches come from when not from the buffer (``trainer/sources.py``): batch ``step`` (0-based)
+    is a pure function of the step, so a job restored from a checkpoint goes on with the batch after it."""
+
+    def batch(self, step: int, version: int) -> Batch | None:
+        """The batch of this step; None when the source is exhausted (the job is complete)."""
 
 
 def to_train_sample(t: Trajectory) -> TrainSample:
@@ -206,8 +220,13 @@ class TrainLoop:
                  on_step: Callable[[LoopState, dict[str, float]], None] | None = None,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None, job_id: str | None = None,
                  push_guard: Callable[[], AbstractContextManager[Any]] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, source: BatchSource | None = None,
+                 supervised: bool = False, rejection: Rejection | None = None) -> None:
         self.store = store
+        self.source = source  # None: rewarded trajectories from the buffer
+        self.supervised = supervised  # SFT: samples train as they are (no advantages, no old log-probs)
+        self.rejection = rejection  # rejection sampling: only the buffer's samples that pass train
+        self.exhausted = False
         self.clock = clock  # wall time, compared with the store's updated_at (group_timeout_s)
         self._waiting_at = float("-inf")  # when the wait reason was last worked out (it costs a query)
         self.job_id = job_id  # whose consumption this is (a restart releases only its own)
@@ -281,7 +300,7 @@ class TrainLoop:
             if self.checkpoint_requested.is_set():
                 self.checkpoint_requested.clear()
                 self.checkpoint()
-            if self.settings.max_steps is not None and self.state.step >= self.settings.max_steps:
+            if self.exhausted or (self.settings.max_steps is not None and self.state.step >= self.settings.max_steps):
                 return
             if self.paused.is_set():
                 self.stop.wait(self.settings.poll_interval_s)
@@ -329,7 +348,29 @@ class TrainLoop:
             self._note_waiting(sel)
             return None
         self.state.waiting = None
-        return Batch(trajectories=sel.chosen, lags=sel.lags)
+        chosen, lags = sel.chosen, sel.lags
+        if self.rejection is not None:
+            kept = set(self.rejection.keep_ids(chosen))
+            rejected = [t.id for t in chosen if t.id not in kept]
+            if rejected:
+                self.store.mark_consumed(rejected, DROPPED_STEP, self.job_id)
+                self.state.rejected += len(rejected)
+            self.state.kept += len(kept)
+            self.on_event("rejection", {"kept": len(kept), "rejected": len(rejected), "total_kept": self.state.kept,
+                                        "total_rejected": self.state.rejected})
+            lags = [lag for t, lag in zip(chosen, lags, strict=True) if t.id in kept]
+            chosen = [t for t in chosen if t.id in kept]
+            if not chosen:
+                return None
+        return Batch(samples=[to_train_sample(t) for t in chosen], lags=lags, consume=[t.id for t in chosen])
+
+    def next_batch(self) -> Batch | None:
+        """This step's batch: from the job's source (its step-th batch) or from the buffer."""
+        if self.source is None:
+            return self.select_batch()
+        batch = self.source.batch(self.state.step, self.state.version)
+        self.exhausted = batch is None
+        return batch
 
     def _note_waiting(self, sel: Selection) -> None:
         """Work out why there is no batch (at most every 2 s: it reads the open sessions) and tell the job
@@ -351,24 +392,27 @@ class TrainLoop:
 
     def step_once(self) -> dict[str, float] | None:
         """Train on one batch if there is one; returns the step's metrics (None: not enough data yet)."""
-        batch = self.select_batch()
+        batch = self.next_batch()
         if batch is None:
             return None
         assert self.trainer is not None
         s = self.settings
         t0 = time.monotonic()
-        raw = [to_train_sample(t) for t in batch.trajectories]
+        raw = batch.samples
         old_lp: list[list[float]] | None = None
         kl: list[list[float]] | None = None
-        if s.num_steps_per_rollout > 1 or s.advantage.kl_coef > 0:
+        if not self.supervised and (s.num_steps_per_rollout > 1 or s.advantage.kl_coef > 0):
             old_lp = self.trainer.compute_logprobs(raw)  # the policy before this batch's updates
         if s.advantage.kl_coef > 0:  # REINFORCE++ reward shaping: k1 KL of that policy to the reference
             ref_lp = self.trainer.compute_logprobs(raw, reference=True)
             kl = [[o - r for o, r in zip(o_s, r_s, strict=True)] for o_s, r_s in zip(old_lp, ref_lp, strict=True)]
         values = self.trainer.compute_values(raw) if s.advantage.estimator == "gae" else None  # PPO's critic
-        shaped = (ppo_advantages(raw, values, s.advantage, kl=kl) if values is not None
-                  else compute_advantages(raw, s.advantage, kl=kl))
-        samples = with_opd(shaped, s.opd)
+        if self.supervised:  # SFT: the loss is the masked tokens' NLL; no advantages
+            samples = list(raw)
+        else:
+            shaped = (ppo_advantages(raw, values, s.advantage, kl=kl) if values is not None
+                      else compute_advantages(raw, s.advantage, kl=kl))
+            samples = with_opd(shaped, s.opd)
         downweighted = 0
         if s.stale_policy == "downweight" and s.max_staleness is not None:
             for i, lag in enumerate(batch.lags):
@@ -388,7 +432,8 @@ class TrainLoop:
                         metrics.update(self._train_critic(samples, values))
                         metrics["explained_variance"] = explained_variance(
                             values, [x.returns or [] for x in samples], [x.loss_mask for x in samples])
-                    self.store.mark_consumed([t.id for t in batch.trajectories], self.state.step + 1, self.job_id)
+                    if batch.consume:
+                        self.store.mark_consumed(batch.consume, self.state.step + 1, self.job_id)
                     self.state.step += 1
                     self.state.version += 1
                     push: dict[str, Any] | None = None
@@ -400,17 +445,19 @@ class TrainLoop:
         if self.state.step % s.checkpoint_interval == 0:
             self.checkpoint()
         now = time.monotonic()
-        rewards = [float(t.reward or 0.0) for t in batch.trajectories]
-        tokens = sum(len(t.tokens) for t in batch.trajectories)
+        rewards = [x.reward for x in raw]
+        tokens = sum(len(x.tokens) for x in raw)
         metrics.update(
             step=float(self.state.step), policy_version=float(self.state.version),
             reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-            samples=float(len(samples)), tokens=float(tokens), trained_tokens=float(sum(sum(t.loss_mask) for t in batch.trajectories)),
+            samples=float(len(samples)), tokens=float(tokens), trained_tokens=float(sum(x.num_loss_tokens for x in raw)),
             staleness_mean=statistics.fmean(batch.lags), staleness_max=float(max(batch.lags)),
             dropped_stale=float(self.state.dropped_stale), dropped_zero_variance=float(self.state.dropped_zero_variance),
             downweighted=float(self.state.downweighted), step_seconds=now - t0,
             tokens_per_s=tokens / max(now - self._last_step_end, 1e-9),
         )
+        if self.rejection is not None:
+            metrics.update(kept=float(self.state.kept), rejected=float(self.state.rejected))
         if push is not None:
             metrics.update(push_seconds=float(push.get("seconds", 0.0)), push_gbps=float(push.get("gbps", 0.0)))
         self._last_step_end = now

@@ -16,6 +16,7 @@ finished, rewarded, unconsumed trajectories (oldest first):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -91,3 +92,27 @@ def wait_reason(selection: Selection, *, batch_size: int, group_size: int, open_
         parts.append(f"{_count(selection.incomplete_sessions, 'session')} in incomplete groups")
     parts.append(f"{_count(open_rewarded_sessions, 'rewarded session')} still open")
     return f"{head}: " + "; ".join(parts)
+
+
+class Rejection(BaseModel):
+    """Rejection sampling: of each whole group, the samples that train (slime's reward filter, RAFT's best of n).
+
+    ``threshold``: keep samples whose reward is at least this; ``best_of_n``: keep only each group's best (its
+    first on a tie), and with a threshold only if the best passes it."""
+
+    threshold: float | None = Field(1.0, description="keep samples with reward >= threshold (None: no threshold)")
+    keep: Literal["all_passing", "best_of_n"] = Field("all_passing", description="all samples that pass, or each "
+                                                       "group's best if it passes")
+
+    def keep_ids(self, chosen: Sequence[Trajectory]) -> list[str]:
+        groups: dict[str, list[Trajectory]] = {}
+        for t in chosen:
+            groups.setdefault(t.group_id or t.id, []).append(t)
+        out: list[str] = []
+        for members in groups.values():
+            candidates = members
+            if self.keep == "best_of_n":
+                best = max(members, key=lambda t: float(t.reward or 0.0))
+                candidates = [best]
+            out += [t.id for t in candidates if self.threshold is None or float(t.reward or 0.0) >= self.threshold]
+        return out
