@@ -269,8 +269,9 @@ def _stop_actor(actor: Any) -> None:
 
 def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer: Any, loss: dict[str, Any],
                         temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
-                        engine_api_key: str | None = None, reference: bool = False, critic: Any = None) -> Any:
-    """Megatron-core ranks for one job as Ray actors (TP x DP over gloo on CPU, nccl on GPU), set up.
+                        engine_api_key: str | None = None, reference: bool = False, critic: Any = None,
+                        reference_path: str | None = None) -> Any:
+    """Megatron-core ranks for one job as Ray actors (TP x PP x DP over gloo on CPU, nccl on GPU), set up.
 
     Colocated ranks reserve no CPU of their own: they share the engines' share and the loop pauses
     generation while they step and push.
@@ -280,12 +281,13 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
     from slime_server.trainer.train_step import TrainStepSettings
 
     rank_settings = TrainerRankSettings(
-        hf_path=model_path, tp_size=trainer.tp_size, optimizer=optimizer, torch_threads=trainer.torch_threads,
+        hf_path=model_path, tp_size=trainer.tp_size, pp_size=trainer.pp_size, optimizer=optimizer,
+        torch_threads=trainer.torch_threads,
         train=TrainStepSettings(temperature=temperature, loss=LossConfig(**loss),
                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch
                                 or trainer.max_tokens_per_micro_batch),
         megatron_args=trainer.megatron_args, engine_api_key=engine_api_key, weight_sync=trainer.weight_sync,
-        reference=reference, critic=critic)
+        reference=reference, reference_path=reference_path, critic=critic)
     group = TrainerGroup(rank_settings, trainer.num_ranks,
                          num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,
                          num_gpus_per_rank=trainer.num_gpus_per_rank, resources=trainer.ray_resources)

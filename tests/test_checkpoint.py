@@ -64,7 +64,7 @@ def test_checkpoint_directory_is_complete(resume_runs: dict[str, dict]) -> None:
     path = Path(resume_runs["ckpt"]["path"])
     meta = read_meta(path)
     assert (meta.step, meta.policy_version, meta.world_size, meta.tp_size) == (2, 2, 1, 1)
-    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "rank_00000.pt"]
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "portable.pt", "rank_00000.pt"]
     assert latest_checkpoint(path.parent) == path
     assert not path.with_name(path.name + ".tmp").exists()
 

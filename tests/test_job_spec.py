@@ -68,3 +68,19 @@ def test_the_example_job_configs_are_valid_specs(monkeypatch: pytest.MonkeyPatch
             body["data"]["dataset"] = str(tmp_path / "trajectories.jsonl")
         spec = JobSpec.model_validate(body)
         assert name != "sft" or Path(spec.data.dataset or "").is_file()
+
+
+def test_a_named_reference_or_critic_start_must_be_a_checkpoint_the_job_uses(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    spec = JobSpec.model_validate({"reference_model": str(ckpt), "loss": {"kl_coef": 0.01}})
+    assert spec.needs_reference() and spec.reference_model == str(ckpt)
+    JobSpec.model_validate({"algorithm": "ppo", "critic": {"init_from": str(ckpt)}})
+    for body, message in [
+        ({"reference_model": str(tmp_path), "loss": {"kl_coef": 0.01}}, "no config.json"),
+        ({"reference_model": str(ckpt)}, "set loss.kl_coef"),
+        ({"critic": {"init_from": str(ckpt)}}, "critic.init_from is for algorithm 'ppo'"),
+    ]:
+        with pytest.raises(pydantic.ValidationError, match=message):
+            JobSpec.model_validate(body)

@@ -150,3 +150,40 @@ def test_the_critic_learns_the_returns_and_checkpoints_with_the_policy(tiny_mode
     assert rank.compute_values(samples) != trained
     rank.load_checkpoint(path)
     assert rank.compute_values(samples) == trained  # the critic came back with the policy
+
+
+def test_the_reference_and_the_critic_start_from_the_checkpoints_named(tiny_model_path: Path, fresh_world: None,
+                                                                       tmp_path: Path) -> None:
+    """A job's KL reference can be another checkpoint than the policy's base weights (``reference_path``): its
+    log-probs are that checkpoint's (HF's forward on it), not the policy's; a critic's trunk starts from the
+    checkpoint named in ``critic.init_from``."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
+    from slime_server.trainer.convert import export_hf_state_dict
+    from slime_server.trainer.critic import CriticSettings
+    from slime_server.utils.net import find_free_port
+    from tests._engine_helpers import hf_logprobs
+
+    other = tmp_path / "other"
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(str(other))
+    rank = TrainerRank(TrainerRankSettings(
+        hf_path=str(tiny_model_path), seed=3, torch_threads=2, reference=True, reference_path=str(other),
+        critic=CriticSettings(init_from=str(other))), RendezvousInfo(rank=0, world_size=1, master_port=find_free_port()))
+    rank.setup()
+    samples = batch(tiny_model_path, n=2, seed=9)
+    policy, ref = rank.compute_logprobs(samples), rank.compute_logprobs(samples, reference=True)
+    for s, lp_ref, lp_policy in zip(samples, ref, policy, strict=True):
+        want = [0.0] + hf_logprobs(model.eval(), s.tokens[:1], s.tokens[1:], 1.0)
+        torch.testing.assert_close(torch.tensor(lp_ref), torch.tensor(want, dtype=torch.float32), atol=1e-4, rtol=0)
+        assert max(abs(a - b) for a, b in zip(lp_ref, lp_policy, strict=True)) > 0.01
+    critic = rank.critic.model.module
+    vocab = model.config.vocab_size
+    assert torch.equal(critic.embedding.word_embeddings.weight[:vocab], model.model.embed_tokens.weight)
+    assert torch.equal(critic.decoder.final_layernorm.weight, model.model.norm.weight)
+    assert not torch.equal(export_hf_state_dict(rank.bundle.model)["model.norm.weight"], model.model.norm.weight)

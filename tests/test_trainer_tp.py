@@ -1,4 +1,4 @@
-"""TP=2 and DP=2 trainer groups (separate gloo processes) reproduce the single-process run.
+"""TP=2, DP=2 and PP=2 trainer groups (separate gloo processes) reproduce the single-process run.
 
 The model has an odd vocabulary (101), so TP=2 pads the vocab and the vocab-parallel
 log-softmax must ignore the padding column; DP=2 checks that the global loss normaliser and
@@ -35,12 +35,37 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     samples = make_batch(vocab_size=101, n=6, seed=1)
     out: dict[str, Any] = {"settings": settings.model_dump(), "samples": samples}
-    for name, world, tp in (("tp1", 1, 1), ("tp2", 2, 2), ("dp2", 2, 1)):
+    # tied embeddings across stages (the last stage's output layer is the first stage's embedding: its
+    # gradient is summed over both), two layers per stage
+    tied_dir = tmp / "hf-tied"
+    save_random_hf_model(make_config("qwen3", num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=True),
+                         tied_dir, seed=4)
+    tied = settings.model_copy(update={"hf_path": str(tied_dir)})
+    for name, world, pp in (("tied_pp1", 1, 1), ("tied_pp2", 2, 2)):
         run_dir = tmp / name
         run_dir.mkdir()
-        settings_path, batch_path = write_inputs(run_dir, settings.model_copy(update={"tp_size": tp}), samples)
+        settings_path, batch_path = write_inputs(run_dir, tied.model_copy(update={"pp_size": pp}), samples)
         run_ranks(world, ["--settings", str(settings_path), "--batch", str(batch_path),
                           "--out", str(run_dir / "out.pt"), "--steps", str(STEPS)])
+        out[name] = load_result(run_dir / "out.pt")
+    for name, world, tp, pp in (("tp1", 1, 1, 1), ("tp2", 2, 2, 1), ("dp2", 2, 1, 1), ("pp2", 2, 1, 2),
+                                ("tp2pp2", 4, 2, 2)):
+        run_dir = tmp / name
+        run_dir.mkdir()
+        settings_path, batch_path = write_inputs(run_dir, settings.model_copy(update={"tp_size": tp, "pp_size": pp}),
+                                                 samples)
+        save = ["--save-at", "1", "--ckpt", str(tmp / f"ckpt-{name}")] if name in ("tp1", "pp2") else []
+        run_ranks(world, ["--settings", str(settings_path), "--batch", str(batch_path),
+                          "--out", str(run_dir / "out.pt"), "--steps", str(STEPS), *save])
+        out[name] = load_result(run_dir / "out.pt")
+    # resharding: the checkpoint after step 1 resumed on another layout takes steps 2 and 3
+    for name, world, tp, pp, source in (("tp1_to_pp2", 2, 1, 2, "tp1"), ("pp2_to_tp2", 2, 2, 1, "pp2")):
+        run_dir = tmp / name
+        run_dir.mkdir()
+        settings_path, batch_path = write_inputs(run_dir, settings.model_copy(update={"tp_size": tp, "pp_size": pp}),
+                                                 samples)
+        run_ranks(world, ["--settings", str(settings_path), "--batch", str(batch_path), "--out",
+                          str(run_dir / "out.pt"), "--steps", str(STEPS - 1), "--load", str(tmp / f"ckpt-{source}")])
         out[name] = load_result(run_dir / "out.pt")
     return out
 
@@ -56,11 +81,16 @@ def test_single_process_run_learns(runs: dict[str, dict]) -> None:
     assert len(set(logprob)) == STEPS and len(set(losses)) == STEPS, "the weights must change between steps"
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2"])
+@pytest.mark.parametrize("name", ["tp2", "dp2", "pp2", "tied_pp2", "tp2pp2"])
 def test_parallel_run_matches_single_process(runs: dict[str, dict], name: str) -> None:
-    ref, run = runs["tp1"], runs[name]
-    assert run["layout"]["tp_size"] == (2 if name == "tp2" else 1)
+    """Issue 19: PP = 2 (Megatron's 1F1B schedule over gloo p2p, 3 micro-batches per step) gives PP = 1's loss,
+    grad norm, log-probs and updated weights, as TP = 2 and DP = 2 do; with tied embeddings too."""
+    ref, run = runs["tied_pp1" if name.startswith("tied") else "tp1"], runs[name]
+    if name.endswith("pp2"):  # the same micro-batches, through the pipeline (and TP inside each stage)
+        assert _series(run, "micro_batches") == _series(ref, "micro_batches") and _series(ref, "micro_batches")[0] > 1
+    assert run["layout"]["tp_size"] == (2 if name.startswith("tp2") else 1)
     assert run["layout"]["dp_size"] == (2 if name == "dp2" else 1)
+    assert run["layout"]["pp_size"] == (2 if name.endswith("pp2") else 1)
     assert run["initial_logprob"] == pytest.approx(ref["initial_logprob"], abs=1e-3, rel=1e-6)
     assert _series(run, "loss") == pytest.approx(_series(ref, "loss"), abs=1e-5, rel=0)
     assert _series(run, "masked_logprob_sum") == pytest.approx(_series(ref, "masked_logprob_sum"), abs=1e-3, rel=1e-6)
@@ -76,19 +106,21 @@ def test_parallel_run_matches_single_process(runs: dict[str, dict], name: str) -
 
 
 @pytest.mark.slow
-def test_ray_trainer_group_tp2(runs: dict[str, dict], tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The same TP=2 job as Ray actors: HF weights round-trip exactly, and one step matches the run above."""
+@pytest.mark.parametrize("split", ["tp_size", "pp_size"])
+def test_ray_trainer_group_of_two(runs: dict[str, dict], split: str) -> None:
+    """The same TP=2 (or PP=2) job as Ray actors: HF weights round-trip exactly (every stage's, for PP), and one
+    step matches the run above."""
     import ray
 
     from slime_server.trainer.actor import TrainerGroup, TrainerRankSettings
     from slime_server.trainer.convert import read_hf_state_dict
 
-    settings = TrainerRankSettings.model_validate(runs["settings"]).model_copy(update={"tp_size": 2})
+    settings = TrainerRankSettings.model_validate(runs["settings"]).model_copy(update={split: 2})
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a stale cluster
     try:
         group = TrainerGroup(settings, world_size=2)
         layouts = group.setup()
-        assert sorted(lay["tp_rank"] for lay in layouts) == [0, 1]
+        assert sorted(lay[split.replace("size", "rank")] for lay in layouts) == [0, 1]
         exported = group.hf_state_dict()
         original = read_hf_state_dict(settings.hf_path)
         assert exported.keys() == original.keys()
@@ -103,3 +135,20 @@ def test_ray_trainer_group_tp2(runs: dict[str, dict], tmp_path_factory: pytest.T
         group.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize("name", ["tp1_to_pp2", "pp2_to_tp2"])
+def test_a_checkpoint_resumes_on_another_layout(runs: dict[str, dict], name: str) -> None:
+    """Issue 19: checkpoints reshard. Saved after step 1 by TP=1 (or PP=2) and resumed by PP=2 (or TP=2), steps 2
+    and 3 are the uninterrupted run's: same loss and grad norm (Adam's moments and step and the LR schedule came
+    across), same weights at the end."""
+    ref, run = runs["tp1"], runs[name]
+    assert run["resumed"] == {"step": 1, "policy_version": 1}
+    assert (run["layout"]["tp_size"], run["layout"]["pp_size"]) == ((1, 2) if name == "tp1_to_pp2" else (2, 1))
+    assert _series(run, "loss") == pytest.approx(_series(ref, "loss")[1:], abs=1e-5, rel=0)
+    for key in ("grad_norm", "lr"):
+        assert _series(run, key) == pytest.approx(_series(ref, key)[1:], abs=1e-5, rel=1e-5)
+    assert _series(run, "step") == [2.0, 3.0]
+    for k, w in ref["weights"].items():
+        diff = (run["weights"][k] - w).abs()
+        assert diff.max() < 5e-4 and diff.mean() < 1e-6, (k, float(diff.max()), float(diff.mean()))

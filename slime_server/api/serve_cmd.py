@@ -67,6 +67,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
                                    temperature=temperature,
                                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
                                    engine_api_key=engine_api_key, reference=spec.needs_reference(),
+                                   reference_path=spec.reference_model,
                                    critic=spec.critic if spec.algorithm == "ppo" else None)
 
     def configure_loop(loop: Any) -> None:

@@ -103,7 +103,9 @@ class JobSpec(_Strict):
     algorithm: Algorithm = Field("reinforce_plus_plus", description="the advantage estimator and its loss; 'ppo' "
                                  "trains a critic (value model) beside the policy and uses GAE")
     critic: CriticSettings = Field(default_factory=CriticSettings, description="the value model of algorithm 'ppo': "
-                                   "its optimizer (lr), value clipping and loss aggregation")
+                                   "its optimizer (lr), value clipping, loss aggregation and starting checkpoint")
+    reference_model: str | None = Field(None, description="HF checkpoint directory of the KL reference (same "
+                                        "architecture as the served model); default: the served base weights")
     data: DataSpec = Field(default_factory=DataSpec)
     train: bool = Field(True, description="false: rollout-only (slime's debug-rollout-only): the dataset's "
                         "episodes are played and recorded, data.epochs times over, and nothing is trained")
@@ -169,6 +171,13 @@ class JobSpec(_Strict):
             raise ValueError("train false (rollout-only) plays a dataset: data.source 'dataset' with an environment")
         if d.replay_job is not None and d.source != "replay":
             raise ValueError("data.replay_job is for data.source 'replay'")
+        for name, path in (("reference_model", self.reference_model), ("critic.init_from", self.critic.init_from)):
+            if path is not None and not (Path(path) / "config.json").is_file():
+                raise ValueError(f"{name} {path!r} is not a Hugging Face checkpoint directory (no config.json)")
+        if self.reference_model is not None and not self.needs_reference():
+            raise ValueError("reference_model is the KL term's reference: set loss.kl_coef or loop.advantage.kl_coef")
+        if self.critic.init_from is not None and self.algorithm != "ppo":
+            raise ValueError("critic.init_from is for algorithm 'ppo' (the only one with a critic)")
 
     def estimator(self) -> Estimator:
         if self.algorithm == "sft":

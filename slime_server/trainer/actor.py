@@ -42,6 +42,7 @@ class TrainerRankSettings(BaseModel):
 
     hf_path: str
     tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1, description="pipeline stages (Megatron's 1F1B schedule; gloo p2p on CPU)")
     seed: int = 1234
     bf16: bool = Field(False, description="bf16 params (GPU); fp32 on CPU")
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
@@ -50,10 +51,15 @@ class TrainerRankSettings(BaseModel):
     megatron_args: dict[str, Any] = Field(default_factory=dict, description="TransformerConfig overrides")
     engine_api_key: str | None = Field(None, description="the engines' key (SGLang's --api-key) for weight pushes")
     weight_sync: Literal["auto", "tensor", "distributed"] = "auto"
+    reference_path: str | None = Field(None, description="HF checkpoint directory of the reference model (same "
+                                       "architecture); default: the policy's base weights at hf_path")
     reference: bool = Field(False, description="keep a frozen reference model (the base weights at hf_path) for "
                             "the KL loss and KL reward shaping; costs one more copy of the weights and a forward")
     critic: CriticSettings | None = Field(None, description="train a value model (PPO with GAE) beside the policy, "
                                           "initialised from hf_path; checkpointed with it")
+    portable_checkpoints: bool = Field(True, description="checkpoints also hold the policy gathered on rank 0 "
+                                       "(weights, Adam moments), so they resume on another TP x PP layout; off for "
+                                       "models too large to gather on one rank")
 
 
 class TrainerRank:
@@ -95,7 +101,9 @@ class TrainerRank:
         self.rendezvous = rendezvous or self.rendezvous
         if self.rendezvous is not None:
             self.rendezvous.export()
-        layout = init_parallel(tp_size=self.settings.tp_size, seed=self.settings.seed)
+        if self.settings.pp_size > 1 and (self.settings.reference or self.settings.critic is not None):
+            raise ValueError("a reference model or a critic needs pp_size 1 (they are not pipelined yet)")
+        layout = init_parallel(tp_size=self.settings.tp_size, pp_size=self.settings.pp_size, seed=self.settings.seed)
         dtype = torch.bfloat16 if self.settings.bf16 else torch.float32
         model = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype,
                                 **self.settings.megatron_args)
@@ -108,16 +116,18 @@ class TrainerRank:
                                   **self.settings.megatron_args)
             if torch.cuda.is_available():
                 ref = ref.cuda()
-            load_hf_checkpoint_into(ref, self.settings.hf_path)
+            load_hf_checkpoint_into(ref, self.settings.reference_path or self.settings.hf_path)
             self.reference = ref.eval().requires_grad_(False)
         if self.settings.critic is not None:
             from slime_server.trainer.critic import build_value_model
 
             value_model = build_value_model(self.settings.hf_path, params_dtype=dtype,
-                                            megatron_args=self.settings.megatron_args)
+                                            megatron_args=self.settings.megatron_args,
+                                            init_from=self.settings.critic.init_from)
             self.critic = build_optimizer(value_model, self.settings.critic.optimizer)
         return {"rank": layout.rank, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank,
-                "tp_size": layout.tp_size, "dp_size": layout.dp_size}
+                "tp_size": layout.tp_size, "dp_size": layout.dp_size, "pp_rank": layout.pp_rank,
+                "pp_size": layout.pp_size}
 
     def _ready(self) -> OptimizerBundle:
         if self.bundle is None:
@@ -178,7 +188,8 @@ class TrainerRank:
         policy checkpoint that exists always has its critic."""
         if self.critic is not None:
             save_checkpoint(f"{path}-critic", self.critic, step=self.step, policy_version=self.policy_version)
-        return str(save_checkpoint(path, self._ready(), step=self.step, policy_version=self.policy_version))
+        return str(save_checkpoint(path, self._ready(), step=self.step, policy_version=self.policy_version,
+                                   portable=self.settings.portable_checkpoints))
 
     def load_checkpoint(self, path: str) -> dict[str, int]:
         if self.critic is not None:
@@ -188,14 +199,19 @@ class TrainerRank:
         return {"step": self.step, "policy_version": self.policy_version}
 
     def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors (TP shards all-gathered) for the bucketed weight push (collective)."""
-        from slime_server.trainer.convert import iter_hf_tensors
+        """Full HF-named tensors (TP shards all-gathered; with PP > 1 the later stages' streamed to the first)
+        for the bucketed weight push (collective)."""
+        from slime_server.trainer.pipeline import pipeline_hf_tensors
 
-        yield from iter_hf_tensors(self._ready().model)
+        yield from pipeline_hf_tensors(self._ready().model)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """``named_hf_tensors`` materialised on CPU (for Ray callers and tests)."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.named_hf_tensors()}
+        """``named_hf_tensors`` materialised on CPU (for Ray callers and tests); with PP > 1 every stage's
+        tensors, merged on every rank."""
+        from slime_server.trainer.convert import iter_hf_tensors
+        from slime_server.trainer.pipeline import gather_stages
+
+        return gather_stages({name: t.detach().to("cpu", copy=True) for name, t in iter_hf_tensors(self._ready().model)})
 
     def push_weights(self, engine_urls: Sequence[str], version: int | str,
                      bucket_bytes: int | None = None) -> dict[str, Any]:
@@ -238,8 +254,9 @@ class TrainerGroup:
                  num_gpus_per_rank: float = 0.0, resources: dict[str, float] | None = None) -> None:
         import ray
 
-        if world_size % settings.tp_size:
-            raise ValueError(f"world size {world_size} is not divisible by TP {settings.tp_size}")
+        if world_size % (settings.tp_size * settings.pp_size):
+            raise ValueError(f"world size {world_size} is not divisible by TP {settings.tp_size} x PP "
+                             f"{settings.pp_size}")
         remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
                                 resources=dict(resources or {}) or None)(TrainerRank)
         self.world_size = world_size

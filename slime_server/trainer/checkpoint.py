@@ -11,7 +11,8 @@ world is small and fixed between save and resume, and a plain file per rank is s
 inspect. Atomicity: every rank writes into ``<dir>.tmp``; after a barrier rank 0 writes
 ``meta.json`` and renames the temp dir into place, so a crash never leaves a half-written
 checkpoint under the final name. Resuming with the same world layout gives bit-identical
-next steps on CPU (all RNG streams, Adam moments and the scheduler count are restored).
+next steps on CPU (all RNG streams, Adam moments and the scheduler count are restored); another layout
+reshards from ``portable.pt`` when the save wrote one (``trainer/portable.py``).
 """
 
 from __future__ import annotations
@@ -121,9 +122,12 @@ def read_meta(path: str | Path) -> CheckpointMeta:
 
 def save_checkpoint(
     path: str | Path, bundle: OptimizerBundle, *, step: int, policy_version: int,
-    extra: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None, portable: bool = False,
 ) -> Path:
-    """Write this rank's state into ``path`` (collective: every rank must call it). Returns ``path``."""
+    """Write this rank's state into ``path`` (collective: every rank must call it). Returns ``path``.
+
+    ``portable``: also the layout-free ``portable.pt`` (``trainer/portable.py``), so the checkpoint can be
+    resumed on another TP x PP layout."""
     from megatron.core import package_info
 
     final = Path(path)
@@ -140,6 +144,10 @@ def save_checkpoint(
         "rng": capture_rng(),
     }
     torch.save(state, tmp / f"rank_{rank:05d}.pt")
+    if portable:
+        from slime_server.trainer.portable import save_portable
+
+        save_portable(tmp, bundle)
     _barrier()
     if rank == 0:
         tp, pp = _parallel_sizes()
@@ -161,14 +169,20 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | Path, bundle: OptimizerBundle) -> CheckpointMeta:
-    """Restore this rank's state from ``path`` into ``bundle`` (built with the same layout)."""
+    """Restore this rank's state from ``path`` into ``bundle``: bit-identically from its own rank file when the
+    layout is the one that saved it, else resharded from the checkpoint's ``portable.pt``."""
     meta = read_meta(path)
     tp, pp = _parallel_sizes()
     if (meta.world_size, meta.tp_size, meta.pp_size) != (_world(), tp, pp):
-        raise ValueError(
-            f"checkpoint layout world={meta.world_size} tp={meta.tp_size} pp={meta.pp_size} does not "
-            f"match this run (world={_world()} tp={tp} pp={pp}); convert via HF weights instead"
-        )
+        from slime_server.trainer.portable import PORTABLE_FILE, load_portable
+
+        if not (Path(path) / PORTABLE_FILE).is_file():
+            raise ValueError(
+                f"checkpoint layout world={meta.world_size} tp={meta.tp_size} pp={meta.pp_size} does not "
+                f"match this run (world={_world()} tp={tp} pp={pp}) and it has no {PORTABLE_FILE} to reshard "
+                "from (saved with portable checkpoints off); convert via HF weights instead")
+        load_portable(Path(path), bundle)
+        return meta
     state = torch.load(Path(path) / f"rank_{_rank():05d}.pt", map_location="cpu", weights_only=True)
     _inner(bundle.model).load_state_dict(state["model"], strict=True)
     bundle.optimizer.load_state_dict(state["optimizer"])

@@ -217,26 +217,45 @@ def uses_fused_norms(model: nn.Module) -> bool:
     return any(n.endswith("layer_norm_weight") for n, _ in _unwrap(model).named_parameters())
 
 
-def load_megatron_state_into(model: nn.Module, full_state: Mapping[str, torch.Tensor]) -> None:
-    """Copy a full Megatron state dict into this rank's (TP shard, PP stage) parameters."""
+def global_parameter_names(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """(global Megatron name, parameter) for this stage's parameters; a last stage's copy of tied embeddings is
+    left out (the first stage's embedding is the tensor, and their updates are the same)."""
+    inner = _unwrap(model)
+    offset = _layer_offset(inner)
+    for name, param in inner.named_parameters():
+        key = _to_global(name, offset)
+        if key == "output_layer.weight" and inner.arch.tied_embeddings:
+            continue
+        yield key, param
+
+
+def megatron_shards(model: nn.Module, full_state: Mapping[str, torch.Tensor]) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+    """(parameter, its shard of ``full_state``) for this rank's (TP shard, PP stage) parameters: a full Megatron
+    state dict (weights, or anything shaped like them: Adam moments) cut to this layout."""
     from megatron.core import parallel_state as ps
 
     inner = _unwrap(model)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     offset = _layer_offset(inner)
+    for name, param in inner.named_parameters():
+        key = _to_global(name, offset)
+        if key == "output_layer.weight" and inner.arch.tied_embeddings:
+            key = "embedding.word_embeddings.weight"  # last PP stage's copy of the tied embedding
+        if key not in full_state:
+            raise KeyError(f"checkpoint has no tensor for parameter {key!r}")
+        full = full_state[key]
+        if key in _VOCAB_PARALLEL:
+            full = _pad_vocab(full[: inner.arch.vocab_size], inner.arch)
+        shard = split_for_tp(key, full, tp_rank, tp_size)
+        if shard.shape != param.shape:
+            raise ValueError(f"{key}: checkpoint shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
+        yield param, shard
+
+
+def load_megatron_state_into(model: nn.Module, full_state: Mapping[str, torch.Tensor]) -> None:
+    """Copy a full Megatron state dict into this rank's (TP shard, PP stage) parameters."""
     with torch.no_grad():
-        for name, param in inner.named_parameters():
-            key = _to_global(name, offset)
-            if key == "output_layer.weight" and inner.arch.tied_embeddings:
-                key = "embedding.word_embeddings.weight"  # last PP stage's copy of the tied embedding
-            if key not in full_state:
-                raise KeyError(f"checkpoint has no tensor for parameter {key!r}")
-            full = full_state[key]
-            if key in _VOCAB_PARALLEL:
-                full = _pad_vocab(full[: inner.arch.vocab_size], inner.arch)
-            shard = split_for_tp(key, full, tp_rank, tp_size)
-            if shard.shape != param.shape:
-                raise ValueError(f"{key}: checkpoint shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
+        for param, shard in megatron_shards(model, full_state):
             param.copy_(shard)
 
 

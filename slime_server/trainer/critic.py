@@ -27,6 +27,9 @@ from slime_server.trainer.types import TrainSample
 
 class CriticSettings(BaseModel):
     optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))
+    init_from: str | None = Field(None, description="HF checkpoint directory the value model's trunk starts from "
+                                  "(same architecture as the policy; default: the policy's own base weights); "
+                                  "the value head always starts at zero")
     value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values; None = off")
     aggregation: Aggregation = "token"
 
@@ -45,7 +48,7 @@ class ValueHead(nn.Module):
 
 
 def build_value_model(hf_path: str, *, params_dtype: torch.dtype = torch.float32,
-                      megatron_args: dict[str, Any] | None = None) -> nn.Module:
+                      megatron_args: dict[str, Any] | None = None, init_from: str | None = None) -> nn.Module:
     from transformers import AutoConfig
 
     from slime_server.trainer.convert import load_hf_checkpoint_into
@@ -54,7 +57,7 @@ def build_value_model(hf_path: str, *, params_dtype: torch.dtype = torch.float32
     model = build_gpt_model(AutoConfig.from_pretrained(hf_path), params_dtype=params_dtype, **(megatron_args or {}))
     if torch.cuda.is_available():
         model = model.cuda()
-    load_hf_checkpoint_into(model, hf_path)
+    load_hf_checkpoint_into(model, init_from or hf_path)
     head = ValueHead(model.arch.hidden_size, params_dtype)
     model.output_layer = head.to(next(model.parameters()).device)
     return model

@@ -63,6 +63,10 @@ class _CpuCuda(types.SimpleNamespace):
     def current_device() -> str:
         return "cpu"
 
+    @staticmethod
+    def synchronize(*_args: Any, **_kwargs: Any) -> None:
+        """CPU work is synchronous (the pipeline's p2p calls this after batched sends)."""
+
 
 class _CpuTorch(types.ModuleType):
     """``torch`` with CUDA device requests redirected to the CPU (installed per Megatron module)."""
@@ -192,6 +196,7 @@ def apply_cpu_patches() -> bool:
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
@@ -210,6 +215,11 @@ def apply_cpu_patches() -> bool:
     # _ParamAndGradBuffer.__init__ (Megatron DDP): grad/param buffers allocated on
     # torch.cuda.current_device().
     param_and_grad_buffer.torch = cpu_torch
+    # Pipeline parallelism: P2PCommunicator allocates received activations and shapes on
+    # torch.cuda.current_device() and calls torch.cuda.synchronize() after batched sends; the 1F1B
+    # schedule counts tokens in torch.zeros(..., device="cuda").
+    p2p_communication.torch = cpu_torch
+    schedules.torch = cpu_torch
     # get_grad_norm_fp32 / count_zeros_fp32: torch.zeros/tensor(..., device='cuda').
     clip_grads.torch = cpu_torch
     # FP32Optimizer.__init__ / MixedPrecisionOptimizer.__init__: _scale, found_inf on device='cuda'.

@@ -12,7 +12,8 @@ Flow (every TP/DP rank runs it with the SAME global batch):
      the Qwen3 q/k-norm grads), then clip, Adam, LR schedule.
 
 Log-prob alignment follows ``TrainSample``: position i holds log p(tokens[i] | tokens[:i]);
-position 0 of every sample is 0. Pipeline parallelism is not supported by this step (PP=1).
+position 0 of every sample is 0. With PP > 1 the micro-batches run through Megatron's pipeline schedule
+(``trainer/pipeline.py``); the last stage scores them and every stage returns its metrics.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from slime_server.trainer.losses import LossConfig, policy_loss
 from slime_server.trainer.model import forward_logits
 from slime_server.trainer.optimizer import OptimizerBundle, optimizer_step, zero_grads
 from slime_server.trainer.packing import MicroBatch, pack_samples, split_packed
+from slime_server.trainer.pipeline import from_last_stage, is_last_stage, pipeline_size, run_schedule
 from slime_server.trainer.types import TrainSample
 from slime_server.trainer.vocab_parallel import vocab_parallel_logprobs
 
@@ -51,8 +53,6 @@ def _dp() -> tuple[int, int, dist.ProcessGroup | None]:
 
     if not ps.model_parallel_is_initialized():
         return 0, 1, None
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("train_step supports pipeline parallel size 1 only")
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
 
@@ -79,6 +79,16 @@ def packed_logprobs(
     device = next(model.parameters()).device
     tokens, position_ids = tokens.to(device), position_ids.to(device)
     local_logits = forward_logits(model, tokens[None], position_ids[None], gather=False)[0]
+    return logits_logprobs(model, local_logits, tokens, position_ids, temperature=temperature,
+                           with_entropy=with_entropy)
+
+
+def logits_logprobs(
+    model: nn.Module, local_logits: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor, *,
+    temperature: float = 1.0, with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``packed_logprobs`` from a packed row's local logits shard [T, vocab / tp] (the last pipeline stage's)."""
+    tokens, position_ids = tokens.to(local_logits.device), position_ids.to(local_logits.device)
     lp_next, ent_next = vocab_parallel_logprobs(
         local_logits[:-1], tokens[1:], vocab_size=_inner(model).arch.vocab_size,
         temperature=temperature, with_entropy=with_entropy,
@@ -104,11 +114,24 @@ def compute_logprobs(
     was_training = model.training
     model.eval()
     out: list[torch.Tensor | None] = [None] * len(samples)
+    micro_batches = pack_samples(list(samples), max_tokens_per_micro_batch)
+
+    def keep(mb: MicroBatch, lp: torch.Tensor) -> None:
+        for idx, piece in zip(mb.sample_indices, split_packed(lp.cpu(), mb.sample_lens), strict=True):
+            out[idx] = piece
+
     try:
-        for mb in pack_samples(list(samples), max_tokens_per_micro_batch):
-            lp, _ = packed_logprobs(model, mb.tokens, mb.position_ids, temperature=temperature)
-            for idx, piece in zip(mb.sample_indices, split_packed(lp.cpu(), mb.sample_lens), strict=True):
-                out[idx] = piece
+        if pipeline_size() > 1:
+            def score(mb: MicroBatch, local_logits: torch.Tensor) -> torch.Tensor:
+                lp, _ = logits_logprobs(model, local_logits, mb.tokens, mb.position_ids, temperature=temperature)
+                keep(mb, lp)
+                return lp.sum() * 0.0
+
+            run_schedule(model, micro_batches, score, forward_only=True)
+            out = from_last_stage(out)
+        else:
+            for mb in micro_batches:
+                keep(mb, packed_logprobs(model, mb.tokens, mb.position_ids, temperature=temperature)[0])
     finally:
         model.train(was_training)
     return [t if t is not None else torch.zeros(0) for t in out]
@@ -190,12 +213,9 @@ def forward_backward(
     device = next(model.parameters()).device
     sums = _MetricSums()
     loss_total = torch.zeros((), dtype=torch.float64)
-    for mb in micro_batches:
-        # Entropy is always computed: it is a cheap by-product of the log-sum-exp and a key metric;
-        # it joins the graph only when the loss has an entropy bonus.
-        logprobs, entropy = packed_logprobs(
-            model, mb.tokens, mb.position_ids, temperature=settings.temperature, with_entropy=True,
-        )
+
+    def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+        nonlocal loss_total
         if cfg.entropy_coef == 0.0 and entropy is not None:
             entropy = entropy.detach()
         old = _gather_rows(old_logprobs, mb, device)
@@ -206,20 +226,38 @@ def forward_backward(
             ref_logprobs=_gather_rows(ref_logprobs, mb, device), entropy=entropy,
             token_weights={k: w.to(device) for k, w in mb.token_weights.items()},
         )
-        # DDP averages grads over DP ranks; the global normaliser already divides by the whole
-        # batch, so undo the average to keep the summed (= global) gradient.
-        (loss * dp_size).backward()
         loss_total += loss.detach().double()
         sums.add(metrics, weight=float(mb.loss_mask.sum()))
-    if dp_group is not None and dp_size > 1:
-        dist.all_reduce(loss_total, group=dp_group)
-    out = sums.reduce(dp_group if dp_size > 1 else None)
-    out.update(
-        loss=float(loss_total), micro_batches=float(len(micro_batches)),
-        tokens=float(sum(len(s.tokens) for s in samples)),
-        loss_tokens=float(sum(sum(s.loss_mask) for s in samples)),
-    )
-    return out
+        # DDP averages grads over DP ranks; the global normaliser already divides by the whole
+        # batch, so undo the average to keep the summed (= global) gradient.
+        return loss * dp_size
+
+    if pipeline_size() > 1:
+        def on_output(mb: MicroBatch, local_logits: torch.Tensor) -> torch.Tensor:
+            logprobs, entropy = logits_logprobs(model, local_logits, mb.tokens, mb.position_ids,
+                                                temperature=settings.temperature, with_entropy=True)
+            return micro_batch_loss(mb, logprobs, entropy)
+
+        run_schedule(model, micro_batches, on_output, forward_only=False)  # backward included
+    else:
+        for mb in micro_batches:
+            # Entropy is always computed: it is a cheap by-product of the log-sum-exp and a key metric;
+            # it joins the graph only when the loss has an entropy bonus.
+            logprobs, entropy = packed_logprobs(
+                model, mb.tokens, mb.position_ids, temperature=settings.temperature, with_entropy=True,
+            )
+            micro_batch_loss(mb, logprobs, entropy).backward()
+    out: dict[str, float] = {}
+    if is_last_stage():  # the stages before it hold no loss: they get the last stage's metrics below
+        if dp_group is not None and dp_size > 1:
+            dist.all_reduce(loss_total, group=dp_group)
+        out = sums.reduce(dp_group if dp_size > 1 else None)
+        out.update(
+            loss=float(loss_total), micro_batches=float(len(micro_batches)),
+            tokens=float(sum(len(s.tokens) for s in samples)),
+            loss_tokens=float(sum(sum(s.loss_mask) for s in samples)),
+        )
+    return from_last_stage(out)
 
 
 def train_step(

@@ -109,7 +109,8 @@ class WeightPushError(RuntimeError):
 
 
 def is_push_sender() -> bool:
-    """True on the one rank that talks to the engines: TP rank 0 of DP rank 0 (or a lone process)."""
+    """True on the one rank that talks to the engines: TP rank 0 of DP rank 0 of the first pipeline stage (or a
+    lone process)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -118,9 +119,9 @@ def is_push_sender() -> bool:
 
     if not ps.model_parallel_is_initialized():
         return dist.get_rank() == 0
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("bucketed push with PP > 1 needs one group per stage (not built yet)")
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    # with PP > 1 the later stages stream their tensors to the first (trainer/pipeline.py: pipeline_hf_tensors)
+    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+            and ps.get_pipeline_model_parallel_rank() == 0)
 
 
 def mark_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
