@@ -139,7 +139,7 @@ class TrainerSettings(_Section):
     num_ranks: int = Field(1, ge=1, description="trainer processes (TP x PP x DP)")
     tp_size: int = Field(1, ge=1)
     pp_size: int = Field(1, ge=1, description="pipeline stages (Megatron's 1F1B schedule; the layers split "
-                         "evenly; no reference model or critic yet)")
+                         "evenly; PPO's critic needs 1)")
     num_cpus_per_rank: float = Field(1.0, ge=0, description="Ray CPU resource per rank (0 when colocated)")
     num_gpus_per_rank: float = Field(0.0, ge=0)
     ray_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per rank "

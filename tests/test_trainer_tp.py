@@ -41,10 +41,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     save_random_hf_model(make_config("qwen3", num_key_value_heads=2, num_hidden_layers=4, tie_word_embeddings=True),
                          tied_dir, seed=4)
     tied = settings.model_copy(update={"hf_path": str(tied_dir)})
-    for name, world, pp in (("tied_pp1", 1, 1), ("tied_pp2", 2, 2)):
+    # a KL term to a frozen reference: the reference model is pipelined like the policy
+    kl = tied.model_copy(update={"reference": True, "train": tied.train.model_copy(update={
+        "loss": LossConfig(loss_type="grpo", kl_coef=0.5, kl_type="low_var_kl")})})
+    for name, world, pp, base in (("tied_pp1", 1, 1, tied), ("tied_pp2", 2, 2, tied), ("kl_pp1", 1, 1, kl),
+                                  ("kl_pp2", 2, 2, kl)):
         run_dir = tmp / name
         run_dir.mkdir()
-        settings_path, batch_path = write_inputs(run_dir, tied.model_copy(update={"pp_size": pp}), samples)
+        settings_path, batch_path = write_inputs(run_dir, base.model_copy(update={"pp_size": pp}), samples)
         run_ranks(world, ["--settings", str(settings_path), "--batch", str(batch_path),
                           "--out", str(run_dir / "out.pt"), "--steps", str(STEPS)])
         out[name] = load_result(run_dir / "out.pt")
@@ -81,11 +85,15 @@ def test_single_process_run_learns(runs: dict[str, dict]) -> None:
     assert len(set(logprob)) == STEPS and len(set(losses)) == STEPS, "the weights must change between steps"
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2", "pp2", "tied_pp2", "tp2pp2"])
+@pytest.mark.parametrize("name", ["tp2", "dp2", "pp2", "tied_pp2", "tp2pp2", "kl_pp2"])
 def test_parallel_run_matches_single_process(runs: dict[str, dict], name: str) -> None:
     """Issue 19: PP = 2 (Megatron's 1F1B schedule over gloo p2p, 3 micro-batches per step) gives PP = 1's loss,
     grad norm, log-probs and updated weights, as TP = 2 and DP = 2 do; with tied embeddings too."""
-    ref, run = runs["tied_pp1" if name.startswith("tied") else "tp1"], runs[name]
+    ref, run = runs[{"tied_pp2": "tied_pp1", "kl_pp2": "kl_pp1"}.get(name, "tp1")], runs[name]
+    if name == "kl_pp2":  # the KL term is 0 on the first step (policy = reference), then part of the loss
+        kl = _series(ref, "kl")
+        assert kl[0] == pytest.approx(0.0, abs=1e-9) and kl[-1] > 0
+        assert _series(run, "kl") == pytest.approx(kl, abs=1e-7, rel=1e-5)
     if name.endswith("pp2"):  # the same micro-batches, through the pipeline (and TP inside each stage)
         assert _series(run, "micro_batches") == _series(ref, "micro_batches") and _series(ref, "micro_batches")[0] > 1
     assert run["layout"]["tp_size"] == (2 if name.startswith("tp2") else 1)

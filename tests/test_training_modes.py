@@ -18,8 +18,10 @@ from tests._jobs_helpers import (
     drain_pool,
     drive,
     engine_versions,
+    job,
     job_events,
     running_stack,
+    wait_event,
     wait_job,
 )
 
@@ -51,11 +53,11 @@ def metrics(server: Any, job_id: str) -> list[dict[str, Any]]:
         return c.get(f"/jobs/{job_id}/metrics").raise_for_status().json()
 
 
-def greedy(server: Any, prompt: str) -> str:
+def greedy(server: Any, prompt: str, *, paced: bool = False) -> str:
     client = OpenAI(base_url=server.base_url, api_key=AGENT, max_retries=0)
     r = client.chat.completions.create(model=Path(server.deployment.model_path).name, temperature=0, max_tokens=16,
                                        messages=[{"role": "user", "content": prompt}],
-                                       metadata={"serve_only": "true"})
+                                       metadata=None if paced else {"serve_only": "true"})
     return r.choices[0].message.content or ""
 
 
@@ -71,9 +73,14 @@ def test_sft_job_teaches_the_served_model_its_conversations(server: Any, tmp_pat
         bad.write_text(json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
         r = c.post("/jobs", json={"algorithm": "sft", "data": {"source": "conversations", "dataset": str(bad)}})
         assert r.status_code == 400 and "no assistant message" in r.json()["error"]["message"]
+    drive(server, 2)  # rewarded episodes nobody consumes: a job that paced /v1 by them would answer 429 below
     j = submit(server, {"name": "sft", "algorithm": "sft", "optimizer": {"lr": 3e-3},
                         "data": {"source": "conversations", "dataset": str(data), "epochs": 40},
-                        "loop": {"batch_size": 4, "checkpoint_interval": 100, "poll_interval_s": 0.05}})
+                        "loop": {"batch_size": 4, "checkpoint_interval": 100, "poll_interval_s": 0.05},
+                        "pacing": {"max_buffered": 1}})
+    wait_event(server, j["id"], "trainer_ready")
+    greedy(server, "Hello", paced=True)  # a file-fed job consumes nothing from the buffer: /v1 is not paced
+    assert job(server, j["id"])["status"] == "running"
     j = wait_job(server, j["id"], lambda j: j["status"] == "completed", timeout=400)
     assert j["step"] == 40  # 40 epochs of 4 conversations in batches of 4: the file ran out, the job completed
     losses = [m["metrics"]["loss"] for m in metrics(server, j["id"])]

@@ -178,6 +178,8 @@ def test_specs_of_the_modes(tmp_path: Path) -> None:
           "data": {"source": "dataset", "environment": "calculator"}}, "rejection sampling trains SFT"),
         ({"train": False}, "rollout-only"),
         ({"data": {"replay_job": "job-1"}}, "data.replay_job is for"),
+        ({"algorithm": "sft", "data": {"source": "conversations", "dataset": str(conv)},
+          "loop": {"advantage": {"kl_coef": 0.1}}}, "no advantages to shape"),
     ]:
         with pytest.raises(ValidationError, match=message):
             JobSpec.model_validate(body)

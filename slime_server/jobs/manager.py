@@ -51,6 +51,7 @@ class _Running:
         self.loop, self.thread, self.tb, self.evaluator = loop, thread, tb, evaluator
         self.driver: threading.Thread | None = None
         self.rollout_only: Callable[[], None] | None = None  # train false: the job is this, not the loop
+        self.paced = True  # whether /v1 is paced for it: only a job that consumes the buffer
 
 
 class JobManager:
@@ -167,8 +168,8 @@ class JobManager:
     def active_pacing(self) -> PacingSpec | None:
         """The running job's pacing spec (None: no job is training, so nothing is paced)."""
         with self._lock:
-            runs = [jid for jid, r in self._running.items() if not r.loop.stop.is_set() and r.rollout_only is None]
-        return JobSpec.model_validate(self._row(runs[0]).spec).pacing if runs else None  # rollout-only: unpaced
+            runs = [jid for jid, r in self._running.items() if not r.loop.stop.is_set() and r.paced]
+        return JobSpec.model_validate(self._row(runs[0]).spec).pacing if runs else None
 
     # ---------------------------------------------------------------- lifecycle
     def restore(self) -> list[str]:
@@ -269,6 +270,8 @@ class JobManager:
         evaluator = Evaluator(spec.eval, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d), tb)
         run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb,
                        evaluator)
+        # rollout-only and file-fed jobs (SFT conversations, replay) consume nothing from the buffer
+        run.paced = spec.train and spec.data.source in ("live", "dataset")
         if driver is not None and not spec.train:
             run.rollout_only = lambda: driver.run(passes=spec.data.epochs)
         elif driver is not None:

@@ -146,6 +146,9 @@ class JobSpec(_Strict):
             raise ValueError(f"algorithm {self.algorithm!r} subtracts its group's mean reward: with "
                              "loop.n_samples_per_prompt 1 every advantage is 0; use 'reinforce_plus_plus' (batch "
                              "baseline) or groups of n >= 2")
+        if self.algorithm == "sft" and (self.loop.advantage.kl_coef > 0 or self.loop.stale_policy == "downweight"):
+            raise ValueError("algorithm 'sft' has no advantages to shape or down-weight: loop.advantage.kl_coef "
+                             "and stale_policy 'downweight' are for RL")
         if self.loop.advantage.kl_coef > 0 and self.estimator() not in ("reinforce_plus_plus",
                                                                          "reinforce_plus_plus_baseline", "gae"):
             raise ValueError("loop.advantage.kl_coef shapes REINFORCE++ rewards; for "

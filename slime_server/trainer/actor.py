@@ -101,8 +101,8 @@ class TrainerRank:
         self.rendezvous = rendezvous or self.rendezvous
         if self.rendezvous is not None:
             self.rendezvous.export()
-        if self.settings.pp_size > 1 and (self.settings.reference or self.settings.critic is not None):
-            raise ValueError("a reference model or a critic needs pp_size 1 (they are not pipelined yet)")
+        if self.settings.pp_size > 1 and self.settings.critic is not None:
+            raise ValueError("a critic needs pp_size 1 (the value model is not pipelined yet)")
         layout = init_parallel(tp_size=self.settings.tp_size, pp_size=self.settings.pp_size, seed=self.settings.seed)
         dtype = torch.bfloat16 if self.settings.bf16 else torch.float32
         model = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype,
@@ -111,7 +111,7 @@ class TrainerRank:
             model = model.cuda()
         load_hf_checkpoint_into(model, self.settings.hf_path)
         self.bundle = build_optimizer(model, self.settings.optimizer)
-        if self.settings.reference:  # same layout (TP shards) as the policy, never trained, never checkpointed
+        if self.settings.reference:  # same layout (TP shards, PP stages) as the policy, never trained or saved
             ref = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype,
                                   **self.settings.megatron_args)
             if torch.cuda.is_available():

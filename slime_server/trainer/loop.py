@@ -403,7 +403,7 @@ class TrainLoop:
         kl: list[list[float]] | None = None
         if not self.supervised and (s.num_steps_per_rollout > 1 or s.advantage.kl_coef > 0):
             old_lp = self.trainer.compute_logprobs(raw)  # the policy before this batch's updates
-        if s.advantage.kl_coef > 0:  # REINFORCE++ reward shaping: k1 KL of that policy to the reference
+        if not self.supervised and s.advantage.kl_coef > 0:  # REINFORCE++ reward shaping: k1 KL to the reference
             ref_lp = self.trainer.compute_logprobs(raw, reference=True)
             kl = [[o - r for o, r in zip(o_s, r_s, strict=True)] for o_s, r_s in zip(old_lp, ref_lp, strict=True)]
         values = self.trainer.compute_values(raw) if s.advantage.estimator == "gae" else None  # PPO's critic
@@ -414,7 +414,7 @@ class TrainLoop:
                       else compute_advantages(raw, s.advantage, kl=kl))
             samples = with_opd(shaped, s.opd)
         downweighted = 0
-        if s.stale_policy == "downweight" and s.max_staleness is not None:
+        if not self.supervised and s.stale_policy == "downweight" and s.max_staleness is not None:
             for i, lag in enumerate(batch.lags):
                 if lag > s.max_staleness:
                     factor = s.stale_decay ** (lag - s.max_staleness)
