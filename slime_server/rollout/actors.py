@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from slime_server.config import EngineKind
 from slime_server.rollout.engine_auth import KEY_ENV, check_exposure
-from slime_server.rollout.owned import spawn_owned
+from slime_server.rollout.owned import spawn_owned, start_retrying
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group
 
@@ -133,26 +133,25 @@ class EngineActor:
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 return self.url()
-            for attempt in range(START_ATTEMPTS):
+            log_offset = 0
+
+            def launch() -> None:
+                nonlocal log_offset
                 log_offset = _size(self.spec.log_path)
                 self._proc = spawn_owned(self.command(), env=engine_env(self.spec), log_path=self.spec.log_path)
                 self._ensure_monitor()  # from here on a dead engine is brought back, even if this start fails
-                try:
-                    wait_http_ok(f"{self.url()}/health", timeout=self.spec.startup_timeout_s, proc=self._proc)
-                    return self.url()
-                except RuntimeError:  # exited before it was ready
-                    self._kill()
-                    retry = (self._port_is_ours and self.restarts == 0 and attempt < START_ATTEMPTS - 1
-                             and _port_was_taken(self.spec.log_path, log_offset))
-                    if not retry:
-                        raise
-                    print(f"[engine-actor] port {self.port} was taken before the engine bound it; choosing "
-                          "another", file=sys.stderr, flush=True)
-                    self.port = find_free_port(self.spec.host)
-                except TimeoutError:
-                    self._kill()
-                    raise
-            raise AssertionError("unreachable")
+
+            def again() -> bool:
+                if not (self._port_is_ours and self.restarts == 0 and _port_was_taken(self.spec.log_path, log_offset)):
+                    return False
+                print(f"[engine-actor] port {self.port} was taken before the engine bound it; choosing "
+                      "another", file=sys.stderr, flush=True)
+                self.port = find_free_port(self.spec.host)
+                return True
+
+            start_retrying(launch, lambda: wait_http_ok(f"{self.url()}/health", timeout=self.spec.startup_timeout_s,
+                                                        proc=self._proc), self._kill, again)
+            return self.url()
 
     def _ensure_monitor(self) -> None:
         if self._monitor_enabled and (self._monitor is None or not self._monitor.is_alive()):
@@ -210,9 +209,6 @@ class EngineActor:
     def __del__(self) -> None:
         if getattr(self, "_proc", None) is not None:
             self.stop()
-
-
-START_ATTEMPTS = 3
 
 
 def _size(path: str | Path | None) -> int:

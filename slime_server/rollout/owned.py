@@ -13,7 +13,7 @@ import ctypes
 import os
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,3 +45,28 @@ def spawn_owned(cmd: Sequence[str], env: Mapping[str, str] | None = None,
     finally:
         if out is not None:
             out.close()
+
+
+START_ATTEMPTS = 3
+
+
+def start_retrying(launch: Callable[[], None], wait_ready: Callable[[], None], kill: Callable[[], None],
+                   again: Callable[[], bool], attempts: int = START_ATTEMPTS) -> None:
+    """Start a server whose port can be taken between choosing it and binding it: ``launch`` it, ``wait_ready``;
+    when it exits before it is ready (``RuntimeError``), ``kill`` what is left and, if ``again()`` says so (it
+    picks fresh ports), launch once more, ``attempts`` times at most. A start that times out is not retried.
+
+    Why shared: the engines and the router both choose free ports while Ray workers, other engines and other
+    routers start beside them; each decides in ``again`` which exits are worth another port."""
+    for attempt in range(attempts):
+        launch()
+        try:
+            wait_ready()
+            return
+        except RuntimeError:  # exited before it was ready
+            kill()
+            if attempt == attempts - 1 or not again():
+                raise
+        except TimeoutError:
+            kill()
+            raise

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from slime_server.config import RouterSettings
 from slime_server.rollout.engine_auth import KEY_ENV, auth_headers
-from slime_server.rollout.owned import spawn_owned
+from slime_server.rollout.owned import spawn_owned, start_retrying
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import cli_flags, kill_group, python_module_cmd
 
@@ -115,9 +115,6 @@ def build_router_cmd(settings: RouterSettings, port: int, prometheus_port: int,
     return cmd + cli_flags(settings.extra_args)
 
 
-START_ATTEMPTS = 3
-
-
 class RouterProcess:
     """Starts, queries and stops one sgl-router; the process lives in its own process group."""
 
@@ -150,23 +147,20 @@ class RouterProcess:
         if self._proc is not None and self._proc.poll() is None:
             raise RouterError("router already running")
         env = {"RUST_LOG_STYLE": "never", "NO_COLOR": "1", **({KEY_ENV: self.api_key} if self.api_key else {})}
-        for attempt in range(START_ATTEMPTS):
+
+        def launch() -> None:
             cmd = build_router_cmd(self.settings, self.port, self.prometheus_port, worker_urls)
             self._proc = spawn_owned(cmd, env=env, log_path=self.log_path)
-            try:
-                wait_http_ok(f"{self.url}/health", timeout=self.settings.startup_timeout_s, proc=self._proc)
-                return self
-            except RuntimeError:  # exited before it was ready
-                self.stop()
-                if attempt == START_ATTEMPTS - 1:
-                    raise
-                self.prometheus_port = find_free_port(self.settings.host)
-                if not self.settings.port:
-                    self.port = find_free_port(self.settings.host)
-            except TimeoutError:
-                self.stop()
-                raise
-        raise AssertionError("unreachable")
+
+        def again() -> bool:
+            self.prometheus_port = find_free_port(self.settings.host)
+            if not self.settings.port:
+                self.port = find_free_port(self.settings.host)
+            return True
+
+        start_retrying(launch, lambda: wait_http_ok(f"{self.url}/health", timeout=self.settings.startup_timeout_s,
+                                                    proc=self._proc), self.stop, again)
+        return self
 
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
