@@ -286,21 +286,25 @@ def iter_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     Replicated tensors (norms) are views of the live parameters: copy them (e.g. into a bucket)
     before the next optimizer step.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     inner = _unwrap(model)
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    group = ps.get_tensor_model_parallel_group() if tp_size > 1 else None
     offset = _layer_offset(inner)
     for name, param in inner.named_parameters():
         key = _to_global(name, offset)
-        local = param.detach()
-        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-            shards = [torch.empty_like(local) for _ in range(tp_size)]
-            dist.all_gather(shards, local.contiguous(), group=group)
-            local = gather_from_tp(key, shards)
-        yield from megatron_tensor_to_hf(key, local, inner.arch)
+        yield from megatron_tensor_to_hf(key, gather_tp(key, param, param.detach()), inner.arch)
+
+
+def gather_tp(key: str, param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's shard of ``param``, or a tensor laid out like it: an Adam moment) as the full tensor,
+    its TP shards all-gathered (a collective of the TP group); replicated parameters come back as they are."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local
+    shards = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return gather_from_tp(key, shards)
 
 
 def export_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -57,26 +57,19 @@ def full_state(bundle: OptimizerBundle) -> dict[str, dict[str, torch.Tensor]] | 
     """{"weights" | "exp_avg" | "exp_avg_sq": {global Megatron name: full tensor}} on rank 0 (collective: every
     rank calls it; None elsewhere)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    from slime_server.trainer.convert import gather_from_tp, global_parameter_names
+    from slime_server.trainer.convert import gather_tp, global_parameter_names
     from slime_server.trainer.pipeline import gather_stages
 
     held = adam_state_of(bundle)
     inner = _inner(bundle.model)
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    group = ps.get_tensor_model_parallel_group() if tp_size > 1 else None
     out: dict[str, dict[str, torch.Tensor]] = {"weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for key, param in global_parameter_names(inner):
         opt, _ = held[id(param)]
         state = opt.state.get(param, {})
         for part in out:
             local = (param if part == "weights" else state.get(part, torch.zeros_like(param))).detach()
-            if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-                shards = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(shards, local.contiguous(), group=group)
-                local = gather_from_tp(key, shards)
-            out[part][key] = local.to("cpu", copy=True)
+            out[part][key] = gather_tp(key, param, local).to("cpu", copy=True)
     merged = {part: gather_stages(tensors) for part, tensors in out.items()}
     rank = dist.get_rank() if dist.is_initialized() else 0
     return merged if rank == 0 else None
