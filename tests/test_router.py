@@ -63,6 +63,22 @@ def test_build_router_cmd_sets_ports_policy_and_extra_args() -> None:
     assert cmd[-6:] == ["--queue-size", "8", "--disable-retries", "--cors-allowed-origins", "a", "b"]
 
 
+def test_a_key_or_value_starting_with_a_dash_reaches_the_router_whole() -> None:
+    """A generated key starts with "-" once in 64 (base64url): sgl-router's argparse then refused
+    ``--api-key -x...`` ("expected one argument") and the router exited 2; seen under CI load."""
+    from sglang_router.launch_router import parse_router_args
+
+    from slime_server.rollout.router_launch import router_args
+
+    key = "-x3Gq_" + "a" * 38
+    cmd = build_router_cmd(RouterSettings(extra_args={"request_timeout_secs": -1}), port=1234, prometheus_port=1235,
+                           worker_urls=["http://127.0.0.1:1"])
+    assert "--request-timeout-secs=-1" in cmd
+    parsed = parse_router_args(router_args(cmd[3:], key))  # what router_launch hands sgl-router
+    assert parsed.api_key == key and parsed.request_timeout_secs == -1
+    assert parse_router_args(router_args(cmd[3:], None)).api_key is None
+
+
 def test_router_runs_without_its_own_health_check_and_circuit_breaker() -> None:
     """As slime launches it: the supervisor is the health monitor (a paused engine is not a dead one)."""
     from sglang_router.launch_router import parse_router_args

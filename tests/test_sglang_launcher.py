@@ -193,6 +193,19 @@ def test_api_key_is_passed_only_where_the_release_has_it() -> None:
     assert cmd[-2:] == ["--weight-version", "0"] and "--health-check-timeout" not in cmd
 
 
+def test_a_key_starting_with_a_dash_is_joined_to_its_flag() -> None:
+    """SGLang parses its command line with argparse, which takes ``--api-key -x`` for two options."""
+    import argparse
+
+    key = "-x3Gq_" + "a" * 38
+    cmd = build_sglang_command(EngineSettings(kind="sglang"), "/m", port=1, python="py", api_key=key,
+                               known_args=sglang_0_5_23_server_arg_names())
+    assert f"--api-key={key}" in cmd
+    parser = argparse.ArgumentParser()  # SGLang's ServerArgs.add_cli_args declares it this way (type str)
+    parser.add_argument("--api-key", type=str)
+    assert parser.parse_known_args(cmd[3:])[0].api_key == key
+
+
 def test_no_optional_flag_means_no_sglang_import(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without optional flags the command is built without looking SGLang up (CPU driver, no gpu extra)."""
     monkeypatch.setitem(sys.modules, "sglang", None)  # any import of it would raise

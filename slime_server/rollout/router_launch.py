@@ -14,14 +14,17 @@ import sys
 from slime_server.rollout.engine_auth import KEY_ENV
 
 
+def router_args(argv: list[str], key: str | None) -> list[str]:
+    """``argv`` plus the key, joined to its flag: a key may start with ``-``, which argparse would otherwise
+    take for an option ("--api-key: expected one argument", seen once in 64 generated keys)."""
+    return [*argv, f"--api-key={key}"] if key else list(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     from sglang_router.launch_router import launch_router, parse_router_args
 
-    args = list(sys.argv[1:] if argv is None else argv)
     key = os.environ.pop(KEY_ENV, None)
-    if key:
-        args += ["--api-key", key]
-    launch_router(parse_router_args(args))
+    launch_router(parse_router_args(router_args(list(sys.argv[1:] if argv is None else argv), key)))
 
 
 if __name__ == "__main__":

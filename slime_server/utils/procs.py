@@ -66,7 +66,9 @@ def _kill_pg(pid: int, sig: int) -> None:
 def cli_flags(args: Mapping[str, Any]) -> list[str]:
     """``{"queue_size": 8, "disable_retries": True, "y": [1, 2]}`` -> ``--queue-size 8 --disable-retries --y 1 2``.
 
-    True is a bare switch, False/None drop the flag, lists become several values after one flag.
+    True is a bare switch, False/None drop the flag, lists become several values after one flag. A value
+    that starts with ``-`` (a key, a negative number) is joined to its flag (``--api-key=-x``): argparse
+    would read it as another option otherwise.
     """
     out: list[str] = []
     for key, value in args.items():
@@ -77,6 +79,8 @@ def cli_flags(args: Mapping[str, Any]) -> list[str]:
             continue
         elif isinstance(value, list | tuple):
             out += [flag, *map(str, value)]
+        elif str(value).startswith("-"):
+            out.append(f"{flag}={value}")
         else:
             out += [flag, str(value)]
     return out
