@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, Field
 
+from slime_server.trainer.model import unwrap
 from slime_server.trainer.optimizer import OptimizerBundle
 
 META_FILE = "meta.json"
@@ -66,11 +67,6 @@ def _parallel_sizes() -> tuple[int, int]:
         return 1, 1
     return ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
 
-
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def capture_rng() -> dict[str, Any]:
@@ -138,7 +134,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     state = {
-        "model": _inner(bundle.model).state_dict(),
+        "model": unwrap(bundle.model).state_dict(),
         "optimizer": bundle.optimizer.state_dict(),
         "scheduler": bundle.scheduler.state_dict(),
         "rng": capture_rng(),
@@ -184,7 +180,7 @@ def load_checkpoint(path: str | Path, bundle: OptimizerBundle) -> CheckpointMeta
         load_portable(Path(path), bundle)
         return meta
     state = torch.load(Path(path) / f"rank_{_rank():05d}.pt", map_location="cpu", weights_only=True)
-    _inner(bundle.model).load_state_dict(state["model"], strict=True)
+    unwrap(bundle.model).load_state_dict(state["model"], strict=True)
     bundle.optimizer.load_state_dict(state["optimizer"])
     bundle.scheduler.load_state_dict(state["scheduler"])
     restore_rng(state["rng"])

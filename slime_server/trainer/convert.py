@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slime_server.trainer.model import ModelArch
+from slime_server.trainer.model import ModelArch, unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -195,11 +195,6 @@ def megatron_to_hf(mg_state: Mapping[str, torch.Tensor], arch: ModelArch) -> Ite
 # ---------------------------------------------------------------- live model I/O
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
 
 def _layer_offset(model: nn.Module) -> int:
     """Global index of this pipeline stage's first layer (Megatron names layers per stage)."""
@@ -214,13 +209,13 @@ def _to_global(name: str, offset: int) -> str:
 
 def uses_fused_norms(model: nn.Module) -> bool:
     """True for the TransformerEngine spec (norms fused into linear_qkv / linear_fc1)."""
-    return any(n.endswith("layer_norm_weight") for n, _ in _unwrap(model).named_parameters())
+    return any(n.endswith("layer_norm_weight") for n, _ in unwrap(model).named_parameters())
 
 
 def global_parameter_names(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """(global Megatron name, parameter) for this stage's parameters; a last stage's copy of tied embeddings is
     left out (the first stage's embedding is the tensor, and their updates are the same)."""
-    inner = _unwrap(model)
+    inner = unwrap(model)
     offset = _layer_offset(inner)
     for name, param in inner.named_parameters():
         key = _to_global(name, offset)
@@ -234,7 +229,7 @@ def megatron_shards(model: nn.Module, full_state: Mapping[str, torch.Tensor]) ->
     state dict (weights, or anything shaped like them: Adam moments) cut to this layout."""
     from megatron.core import parallel_state as ps
 
-    inner = _unwrap(model)
+    inner = unwrap(model)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     offset = _layer_offset(inner)
     for name, param in inner.named_parameters():
@@ -274,7 +269,7 @@ def read_hf_state_dict(hf_path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_hf_checkpoint_into(model: nn.Module, hf_path: str | Path) -> None:
     """Load an HF checkpoint directory into a GPTModel built by ``build_gpt_model``."""
-    inner = _unwrap(model)
+    inner = unwrap(model)
     full = hf_to_megatron(read_hf_state_dict(hf_path), inner.arch, fused_norms=uses_fused_norms(inner))
     load_megatron_state_into(inner, full)
 
@@ -286,7 +281,7 @@ def iter_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     Replicated tensors (norms) are views of the live parameters: copy them (e.g. into a bucket)
     before the next optimizer step.
     """
-    inner = _unwrap(model)
+    inner = unwrap(model)
     offset = _layer_offset(inner)
     for name, param in inner.named_parameters():
         key = _to_global(name, offset)

@@ -238,7 +238,8 @@ def _mask_vocab_padding(shard: torch.Tensor, arch: ModelArch, tp_rank: int) -> t
     return shard.masked_fill(padding, torch.finfo(shard.dtype).min)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> nn.Module:
+    """The Megatron model inside its wrappers (DDP, Float16Module: each keeps it as ``.module``)."""
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -261,7 +262,7 @@ def forward_logits(
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    inner = _unwrap(model)
+    inner = unwrap(model)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     if position_ids is None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slime_server.trainer.model import unwrap
 from slime_server.trainer.optimizer import OptimizerBundle
 
 PORTABLE_FILE = "portable.pt"
@@ -31,11 +32,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class NotPortable(RuntimeError):
     """This optimizer's state cannot be written layout-free (e.g. bf16 params with fp32 main copies)."""
 
-
-def _inner(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _torch_optimizers(bundle: OptimizerBundle) -> list[Any]:
@@ -47,7 +43,7 @@ def adam_state_of(bundle: OptimizerBundle) -> dict[int, tuple[Any, nn.Parameter]
     """id(model parameter) -> (the torch optimizer holding it, the parameter); NotPortable when the optimizer steps
     copies of the parameters rather than the parameters themselves."""
     held = {id(p): (opt, p) for opt in _torch_optimizers(bundle) for g in opt.param_groups for p in g["params"]}
-    params = list(_inner(bundle.model).parameters())
+    params = list(unwrap(bundle.model).parameters())
     if any(id(p) not in held for p in params if p.requires_grad):
         raise NotPortable("the optimizer does not step the model's own parameters (bf16 with fp32 main params?)")
     return held
@@ -62,7 +58,7 @@ def full_state(bundle: OptimizerBundle) -> dict[str, dict[str, torch.Tensor]] | 
     from slime_server.trainer.pipeline import gather_stages
 
     held = adam_state_of(bundle)
-    inner = _inner(bundle.model)
+    inner = unwrap(bundle.model)
     out: dict[str, dict[str, torch.Tensor]] = {"weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for key, param in global_parameter_names(inner):
         opt, _ = held[id(param)]
@@ -99,7 +95,7 @@ def load_portable(directory: Path, bundle: OptimizerBundle) -> None:
         raise FileNotFoundError(f"{directory} has no {PORTABLE_FILE}: it was written for one layout only")
     saved = torch.load(directory / PORTABLE_FILE, map_location="cpu", weights_only=True)
     held = adam_state_of(bundle)
-    inner = _inner(bundle.model)
+    inner = unwrap(bundle.model)
     moments = {part: dict(megatron_shards(inner, saved[part])) for part in MOMENTS}
     with torch.no_grad():
         for param, shard in megatron_shards(inner, saved["weights"]):

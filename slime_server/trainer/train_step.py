@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 from slime_server.trainer.losses import LossConfig, policy_loss
-from slime_server.trainer.model import forward_logits
+from slime_server.trainer.model import forward_logits, unwrap
 from slime_server.trainer.optimizer import OptimizerBundle, optimizer_step, zero_grads
 from slime_server.trainer.packing import MicroBatch, pack_samples, split_packed
 from slime_server.trainer.pipeline import from_last_stage, is_last_stage, pipeline_size, run_schedule
@@ -41,11 +41,6 @@ class TrainStepSettings(BaseModel):
     temperature: float = Field(1.0, gt=0, description="the rollout sampling temperature")
     loss: LossConfig = Field(default_factory=LossConfig)
 
-
-def _inner(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _dp() -> tuple[int, int, dist.ProcessGroup | None]:
@@ -90,7 +85,7 @@ def logits_logprobs(
     """``packed_logprobs`` from a packed row's local logits shard [T, vocab / tp] (the last pipeline stage's)."""
     tokens, position_ids = tokens.to(local_logits.device), position_ids.to(local_logits.device)
     lp_next, ent_next = vocab_parallel_logprobs(
-        local_logits[:-1], tokens[1:], vocab_size=_inner(model).arch.vocab_size,
+        local_logits[:-1], tokens[1:], vocab_size=unwrap(model).arch.vocab_size,
         temperature=temperature, with_entropy=with_entropy,
     )
     starts = position_ids == 0
