@@ -12,12 +12,13 @@ import os
 import sys
 
 from slime_server.rollout.engine_auth import KEY_ENV
+from slime_server.utils.procs import cli_flags
 
 
 def router_args(argv: list[str], key: str | None) -> list[str]:
-    """``argv`` plus the key, joined to its flag: a key may start with ``-``, which argparse would otherwise
-    take for an option ("--api-key: expected one argument", seen once in 64 generated keys)."""
-    return [*argv, f"--api-key={key}"] if key else list(argv)
+    """``argv`` plus the key as ``cli_flags`` writes it (joined to its flag when it starts with ``-``, which
+    argparse would otherwise take for an option: "--api-key: expected one argument", once in 64 generated keys)."""
+    return [*argv, *cli_flags({"api_key": key or None})]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -68,7 +68,6 @@ def _parallel_sizes() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
 
 
-
 def capture_rng() -> dict[str, Any]:
     """Every RNG stream a training step can touch (CPU, CUDA, Megatron's model-parallel tracker)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker

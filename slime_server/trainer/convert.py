@@ -195,7 +195,6 @@ def megatron_to_hf(mg_state: Mapping[str, torch.Tensor], arch: ModelArch) -> Ite
 # ---------------------------------------------------------------- live model I/O
 
 
-
 def _layer_offset(model: nn.Module) -> int:
     """Global index of this pipeline stage's first layer (Megatron names layers per stage)."""
     layers = model.decoder.layers

@@ -33,7 +33,6 @@ class NotPortable(RuntimeError):
     """This optimizer's state cannot be written layout-free (e.g. bf16 params with fp32 main copies)."""
 
 
-
 def _torch_optimizers(bundle: OptimizerBundle) -> list[Any]:
     chained = getattr(bundle.optimizer, "chained_optimizers", None) or [bundle.optimizer]
     return [c.optimizer for c in chained]

@@ -42,7 +42,6 @@ class TrainStepSettings(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig)
 
 
-
 def _dp() -> tuple[int, int, dist.ProcessGroup | None]:
     from megatron.core import parallel_state as ps
 
