@@ -26,8 +26,7 @@ serve: install
 
 test: install
 	$(BIN)/python -m ruff check slime_server tools tests
-	# two workers, whole modules each (their module fixtures are built once); the longest modules start first
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q
 
 bench: install
 	$(BIN)/python tools/bench_engine.py

@@ -14,10 +14,13 @@ pytest_plugins = ["tests._gateway_helpers"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Engines, trainer ranks and (under `make test`) two workers share 2 cores with 2 OpenMP threads each; busy-waiting
-# threads then take the cores from the ones with work. Measured, two processes of 2 threads each doing
-# 256x256 @ 256x768 matmuls: 37.9 s each by default, 18.6 s with PASSIVE (one alone: 11.1 s, 13.9 s PASSIVE)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under two xdist workers (`pytest -n 2 --dist loadfile --no-loadscope-reorder`) engines and trainer ranks of both
+# share 2 cores with 2 OpenMP threads each; busy-waiting threads then take the cores from the ones with work.
+# Measured, two processes of 2 threads each doing 256x256 @ 256x768 matmuls: 37.9 s each by default, 18.6 s with
+# PASSIVE (one alone: 11.1 s, 13.9 s PASSIVE). The serial `make test` keeps OpenMP's default.
+XDIST = "PYTEST_XDIST_WORKER" in os.environ
+if XDIST:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # tests/test_openapi_fuzz.py draws fresh examples on every run from this seed; printed in the header,
 # so a failure is replayed with SLIME_FUZZ_SEED=<seed>
@@ -45,8 +48,8 @@ def real_model_path() -> Path:
     return fetch_model("smollm2")
 
 
-# The modules that took longest (serial run of 2026-11-25) run first: `make test` runs
-# two workers a module at a time (pytest-xdist --dist loadfile), and the suite ends when the later one ends.
+# Under two xdist workers, a module at a time (--dist loadfile), the modules that took longest (serial run of
+# 2026-11-25) run first: the suite ends when the later worker ends.
 LONGEST_FIRST = ["test_demo_learning.py", "test_jobs_e2e.py", "test_demo_and_serve.py", "test_trainer_tp.py",
                  "test_real_model.py", "test_online_e2e.py", "test_two_nodes.py", "test_soak.py",
                  "test_harnesses.py", "test_engine_faults.py",
@@ -67,6 +70,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item._id = coerce_node_id(unique)
             else:
                 item._nodeid = unique
+    if not XDIST:
+        return
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)} | {name: len(LONGEST_FIRST) + 1 for name in LAST}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order
 
