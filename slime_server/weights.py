@@ -220,13 +220,38 @@ def serialize(obj: Any) -> str:
 
 
 def _patch_cuda_reductions() -> None:
-    """What SGLang expects of a CUDA payload: devices named by UUID, not by a process-local index (its
-    ``monkey_patch_torch_reductions``; slime applies it too). Only with the ``gpu`` extra installed."""
-    try:
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    except ImportError:  # no SGLang here: the engines' own index mapping must then agree with ours
+    """CUDA payloads name their device by UUID, as SGLang's receivers expect (its ``monkey_patch_torch_reductions``,
+    which slime applies too): an index means another GPU in a process that sees the devices in another order.
+
+    Only the sending half: the payload still names torch's ``rebuild_cuda_tensor``, which SGLang's unpickler
+    allows and which its model runner has patched to read a UUID. SGLang's own patch is not used: it also
+    rewrites CPU tensors' reductions (an IndexError on our shared-memory payloads) and needs the ``sglang``
+    package in the trainer. We set the attribute SGLang's patch checks, so at most one of the two is in force."""
+    from torch.multiprocessing import reductions
+
+    if hasattr(reductions, "_reduce_tensor_original"):
         return
-    monkey_patch_torch_reductions()
+    reductions._reduce_tensor_original = reductions.reduce_tensor  # type: ignore[attr-defined]
+    reductions.reduce_tensor = _reduce_tensor_with_uuid
+    reductions.init_reductions()
+
+
+_CUDA_DEVICE_ARG = 6  # the device's position in rebuild_cuda_tensor's arguments (unchanged since torch 1.x)
+
+
+def _reduce_tensor_with_uuid(*args: Any, **kwargs: Any) -> Any:
+    from torch.multiprocessing import reductions
+
+    rebuild, rebuild_args = reductions._reduce_tensor_original(*args, **kwargs)  # type: ignore[attr-defined]
+    if rebuild is reductions.rebuild_cuda_tensor and isinstance(rebuild_args[_CUDA_DEVICE_ARG], int):
+        uuid = cuda_device_uuid(rebuild_args[_CUDA_DEVICE_ARG])
+        rebuild_args = (*rebuild_args[:_CUDA_DEVICE_ARG], uuid, *rebuild_args[_CUDA_DEVICE_ARG + 1:])
+    return rebuild, rebuild_args
+
+
+def cuda_device_uuid(index: int) -> str:
+    """The UUID SGLang's receivers look a CUDA device up by (``GPU-...``)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def flattened_payload(flat: torch.Tensor, metas: list[FlatMeta]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +30,8 @@ API_TYPES = "sglang/api/v1/api_types.py"
 COMMON = "sglang/srt/utils/common.py"
 TENSOR_BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
 AUTH = "sglang/srt/utils/auth.py"
-NEEDED = (HTTP_SERVER, IO_STRUCT, API_TYPES, COMMON, TENSOR_BUCKET, AUTH)
+PATCH_TORCH = "sglang/srt/utils/patch_torch.py"
+NEEDED = (HTTP_SERVER, IO_STRUCT, API_TYPES, COMMON, TENSOR_BUCKET, AUTH, PATCH_TORCH)
 
 # The files we read are pure Python, identical in every wheel of a release: ask for one fixed tag so the
 # download does not depend on the interpreter running the tests.
@@ -278,6 +280,30 @@ def safe_unpickler_class() -> type:
     ns: dict[str, object] = {"io": io, "pickle": pickle, "torch": torch, "__name__": "sglang_safe_unpickler"}
     exec(compile("\n\n".join(p for p in parts if p), f"{COMMON}:SafeUnpickler", "exec"), ns)
     return ns["SafeUnpickler"]  # type: ignore[return-value]
+
+
+@cache
+def torch_reductions_patch() -> Callable[[], None]:
+    """SGLang's ``monkey_patch_torch_reductions`` (what its model runner applies before it unpickles CUDA
+    payloads: devices by UUID), exec'd from patch_torch.py with the helpers it calls (NPU branches off). Call what
+    it returns to apply the patch."""
+    from typing import Union
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    src, tree = _tree(PATCH_TORCH)
+    names = ("monkey_patch_torch_reductions", "_reduce_tensor_modified", "_rebuild_cuda_tensor_modified",
+             "_device_to_uuid", "_device_from_maybe_uuid", "_modify_tuple")
+    constants = [ast.get_source_segment(src, node) for node in tree.body if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "_REDUCE_TENSOR_ARG_DEVICE_INDEX" for t in node.targets)]
+    if len(constants) != 1:
+        raise SGLangSourceError("_REDUCE_TENSOR_ARG_DEVICE_INDEX not found in patch_torch.py")
+    ns: dict[str, object] = {"torch": torch, "reductions": reductions, "Callable": Callable, "Union": Union,
+                             "_is_npu": False, "__name__": "sglang_patch_torch"}
+    code = "\n\n".join([constants[0] or "", *(function_source(PATCH_TORCH, n) for n in names)])
+    exec(compile(code, PATCH_TORCH, "exec"), ns)
+    return ns["monkey_patch_torch_reductions"]  # type: ignore[return-value]
 
 
 def function_source(relpath: str, name: str) -> str:

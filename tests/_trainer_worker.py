@@ -2,7 +2,8 @@
 
 Runs ``--steps`` train steps of ``TrainerRank`` on the batch in ``--batch`` (a JSON list of
 TrainSample dicts). Optional: ``--load DIR`` resumes from a checkpoint first; ``--save-at K``
-saves to ``--ckpt DIR`` after step K. Rank 0 writes per-step metrics and the final HF weights
+saves to ``--ckpt DIR`` after step K; ``--push-url URL --pushes N`` pushes the trained weights N times to one
+engine through ``TrainerRank.push_weights`` (the GPU test's colocated path). Rank 0 writes per-step metrics and the final HF weights
 to ``--out`` (torch.save). Multi-process runs get RANK/WORLD_SIZE/MASTER_* from the env.
 """
 
@@ -29,6 +30,9 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=-1)
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--load", default="")
+    ap.add_argument("--push-url", default="")
+    ap.add_argument("--pushes", type=int, default=0)
+    ap.add_argument("--push-bucket", type=int, default=0, help="bucket bytes (0: the default)")
     args = ap.parse_args()
 
     settings = TrainerRankSettings.model_validate_json(open(args.settings).read())
@@ -55,9 +59,16 @@ def main() -> None:
         if i + 1 == args.save_at:
             rank.save_checkpoint(args.ckpt)
     weights = rank.hf_state_dict()
+    pushes = []
+    for k in range(args.pushes):  # device memory before and after each push: the IPC buckets must not pile up
+        before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        stats = rank.push_weights([args.push_url], version=k + 1, bucket_bytes=args.push_bucket or None)
+        after = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        pushes.append({"stats": stats, "allocated_before": before, "allocated_after": after})
     if layout["rank"] == 0:
         torch.save({"metrics": metrics, "weights": weights, "layout": layout, "resumed": resumed,
-                    "initial_logprob": initial_logprob}, args.out)
+                    "initial_logprob": initial_logprob, "pushes": pushes,
+                    "device": "cuda" if torch.cuda.is_available() else "cpu"}, args.out)
     rank.shutdown()
 
 

@@ -143,6 +143,11 @@ def _fake_sglang(monkeypatch: pytest.MonkeyPatch, server_args_cls: type) -> None
     monkeypatch.setitem(sys.modules, "sglang.srt.server_args", mod)
 
 
+def test_tp_size_is_a_server_args_field() -> None:
+    """The weight pusher reads each engine's ``tp_size`` from ``GET /server_info``, which reports ``ServerArgs``."""
+    assert "tp_size" in sglang_0_5_23_server_arg_names()
+
+
 def test_0_5_23_server_args_fields_parse() -> None:
     names = set(sglang_0_5_23_server_arg_names())
     assert len(names) > 300

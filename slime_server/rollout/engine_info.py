@@ -53,3 +53,19 @@ async def engine_weight_version_async(client: httpx.AsyncClient, url: str,
         return weight_version_from_response(await client.get(f"{url.rstrip('/')}{MODEL_INFO_PATH}", **kw))
     except httpx.HTTPError:
         return None
+
+
+SERVER_INFO_PATH = "/server_info"
+
+
+def engine_tp_size(client: httpx.Client, url: str, timeout: float | None = None) -> int | None:
+    """How many TP ranks ``url`` runs (``tp_size`` in SGLang's ``GET /server_info``, its ``ServerArgs``): the
+    payloads an engine takes on ``/update_weights_from_tensor`` (one per rank) and its ranks in a weight-update
+    group. None when it does not answer with one."""
+    try:
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        r = client.get(f"{url.rstrip('/')}{SERVER_INFO_PATH}", **kw)
+        tp = r.json().get("tp_size") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else None

@@ -107,7 +107,7 @@ def critic_step(bundle: OptimizerBundle, samples: Sequence[TrainSample], old_val
                                    token_weights={k: w.to(device) for k, w in mb.token_weights.items()})
         (loss * dp_size).backward()  # the global normaliser already divides by the whole batch
         sums.add(metrics, weight=float(mb.loss_mask.sum()))
-    out = sums.reduce(dp_group if dp_size > 1 else None)
+    out = sums.reduce(dp_group if dp_size > 1 else None, device)
     result = optimizer_step(bundle)
     out.update(value_grad_norm=result.grad_norm, value_lr=result.lr)
     return out

@@ -162,11 +162,12 @@ class _MetricSums:
             else:
                 self.sums[key] = self.sums.get(key, 0.0) + v * weight
 
-    def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+    def reduce(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
+        """Batch averages over the DP ranks (``device``: where the group's backend reduces, the GPU for NCCL)."""
         keys = sorted(self.sums)
         if group is not None and dist.get_world_size(group) > 1:
             # Every DP rank must contribute the same keys: losses emit a fixed metric set.
-            vals = torch.tensor([self.sums[k] for k in keys] + [self.weight], dtype=torch.float64)
+            vals = torch.tensor([self.sums[k] for k in keys] + [self.weight], dtype=torch.float64, device=device)
             maxes = vals.clone()
             mins = vals.clone()
             dist.all_reduce(vals, group=group)
@@ -206,7 +207,7 @@ def forward_backward(
     micro_batches = pack_samples(list(samples), settings.max_tokens_per_micro_batch, subset=mine)
     device = next(model.parameters()).device
     sums = _MetricSums()
-    loss_total = torch.zeros((), dtype=torch.float64)
+    loss_total = torch.zeros((), dtype=torch.float64, device=device)  # NCCL reduces device tensors only
 
     def micro_batch_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
         nonlocal loss_total
@@ -245,7 +246,7 @@ def forward_backward(
     if is_last_stage():  # the stages before it hold no loss: they get the last stage's metrics below
         if dp_group is not None and dp_size > 1:
             dist.all_reduce(loss_total, group=dp_group)
-        out = sums.reduce(dp_group if dp_size > 1 else None)
+        out = sums.reduce(dp_group if dp_size > 1 else None, device)
         out.update(
             loss=float(loss_total), micro_batches=float(len(micro_batches)),
             tokens=float(sum(len(s.tokens) for s in samples)),

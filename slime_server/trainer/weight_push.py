@@ -36,7 +36,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from slime_server.rollout.engine_auth import auth_headers
-from slime_server.rollout.engine_info import engine_weight_version
+from slime_server.rollout.engine_info import engine_tp_size, engine_weight_version
 from slime_server.rollout.protocol import (
     ContinueGenerationReqInput,
     DestroyWeightsUpdateGroupReqInput,
@@ -169,13 +169,15 @@ class WeightPusher:
 
     ``mode``: ``tensor`` (same host), ``distributed`` (a process group), or ``auto`` (tensor when every
     engine is on this host). ``engine_tp[i]``: engine i's TP size (payloads per engine on the tensor path,
-    ranks in the group on the distributed path). ``sender=None`` decides from the Megatron ranks.
+    ranks in the group on the distributed path); None reads each engine's ``tp_size`` from its ``/server_info``
+    at the first push (an SGLang engine started with ``--tp-size 2`` indexes ``serialized_named_tensors`` by its
+    TP rank and joins a group with two ranks). ``sender=None`` decides from the Megatron ranks.
     """
 
     def __init__(self, engine_urls: Sequence[str], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  mode: SyncMode = "auto", rolling: bool = True, *, timeout: float = 600.0,
                  sender: bool | None = None, pause_mode: PauseMode = "retract",
-                 engine_tp: Sequence[int] | int = 1, master_address: str | None = None,
+                 engine_tp: Sequence[int] | int | None = None, master_address: str | None = None,
                  backend: str | None = None, api_key: str | None = None) -> None:
         if not engine_urls:
             raise ValueError("WeightPusher needs at least one engine URL")
@@ -184,10 +186,12 @@ class WeightPusher:
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be positive")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        tps = [engine_tp] * len(self.engine_urls) if isinstance(engine_tp, int) else list(engine_tp)
-        if len(tps) != len(self.engine_urls) or min(tps) < 1:
+        tps = None if engine_tp is None else [engine_tp] * len(self.engine_urls) if isinstance(engine_tp, int) \
+            else list(engine_tp)
+        if tps is not None and (len(tps) != len(self.engine_urls) or min(tps) < 1):
             raise ValueError("engine_tp needs one positive entry per engine")
-        self.engine_tp = tps
+        self._engine_tp = tps
+        self._tp_now: list[int] = tps or [1] * len(self.engine_urls)
         self.bucket_bytes = bucket_bytes
         hosts = [httpx.URL(u).host for u in self.engine_urls]
         self.mode: SyncMode = mode if mode != "auto" else (
@@ -203,6 +207,17 @@ class WeightPusher:
         self._group: Any = None
         self._group_name = ""
         self.rendezvous_port: int | None = None  # the last group's (closed once it formed)
+
+    @property
+    def engine_tp(self) -> list[int]:
+        """Every engine's TP size, read from the engines once (an engine that does not say counts as 1 and is
+        asked again at the next push)."""
+        if self._engine_tp is None:
+            read = [engine_tp_size(self._client, u, timeout=10) for u in self.engine_urls]
+            if all(tp is not None for tp in read):
+                self._engine_tp = [int(tp) for tp in read if tp is not None]
+            return [tp or 1 for tp in read]
+        return self._engine_tp
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -226,6 +241,7 @@ class WeightPusher:
             n = sum(1 for _ in named_tensors)  # take part in the TP gathers, send nothing
             return PushStats(version=ver, sent=False, tensors=n)
         counted = _Counter(named_tensors)
+        self._tp_now = self.engine_tp  # read once per push at most
         spent = {u: 0.0 for u in self.engine_urls}
         errors: dict[str, str] = {}
         t0 = time.perf_counter()
@@ -317,11 +333,15 @@ class WeightPusher:
 
     # ------------------------------------------------------------------ tensor path
     def _tensor_req(self, b: _Bucket, url: str, last: bool, version: str) -> UpdateWeightsFromTensorReqInput:
-        if b.payload is None:  # serialised once: CPU payloads name a shared file and can be read many times
-            b.payload = serialize(flattened_payload(b.flat, b.metas))
-        tp = self.engine_tp[self.engine_urls.index(url)]
-        payloads = [b.payload] * tp if b.flat.device.type == "cpu" else [
-            serialize(flattened_payload(b.flat, b.metas)) for _ in range(tp)]  # CUDA IPC: one per rank
+        tp = self._tp_now[self.engine_urls.index(url)]
+        if b.flat.device.type == "cpu":
+            if b.payload is None:  # serialised once: a CPU payload names a shared file and can be read many times
+                b.payload = serialize(flattened_payload(b.flat, b.metas))
+            payloads = [b.payload] * tp
+        else:  # CUDA IPC: one payload per engine TP rank, and only what is sent. Every share of a CUDA tensor adds
+            # one to its cross-process reference count, which the receiver gives back once per payload; a share
+            # never sent would hold the bucket in torch's IPC limbo for good (measured: one model per push).
+            payloads = [serialize(flattened_payload(b.flat, b.metas)) for _ in range(tp)]
         return UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=FLATTENED_BUCKET,
                                                flush_cache=last and self._flush_last,
                                                weight_version=version if last else None)
@@ -367,8 +387,9 @@ class WeightPusher:
         """Form the group: every engine joins over HTTP while this process opens rank 0."""
         self._group_name = f"slime-{uuid.uuid4().hex[:12]}"
         port = find_free_port("0.0.0.0")
-        world = 1 + sum(self.engine_tp)
-        offsets = [1 + sum(self.engine_tp[:i]) for i in range(len(self.engine_urls))]
+        tps = self._tp_now
+        world = 1 + sum(tps)
+        offsets = [1 + sum(tps[:i]) for i in range(len(self.engine_urls))]
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         bodies = {u: InitWeightsUpdateGroupReqInput(master_address=self.master_address, master_port=port,
                                                     rank_offset=off, world_size=world, group_name=self._group_name,
