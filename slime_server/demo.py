@@ -22,7 +22,6 @@ import httpx
 
 from slime_server.config import ServerSettings
 from slime_server.utils.eval_args import parse_eval_data
-from slime_server.utils.net import find_free_port
 
 WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
@@ -137,7 +136,7 @@ class DemoCommand:
             settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"model": str(warm)}),
                                                    "trainer": trainer})
         gw_settings = settings.gateway.model_copy(update={
-            "port": args.port or find_free_port(), "db_path": args.db_path or str(work / "trajectories.db")})
+            "port": args.port or 0, "db_path": args.db_path or str(work / "trajectories.db")})
 
         def start_and_play() -> RunningServer:
             t0 = time.monotonic()

@@ -17,8 +17,6 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
-from slime_server.utils.net import find_free_port
-
 ADMIN = "admin-key"
 AGENT = "agent-key"
 
@@ -34,7 +32,7 @@ def stack_settings(model: Path, work: Path, *, engines: int = 1, keys: bool = Tr
         "engine": {"model": str(model), "num_engines": engines},
         "ray": {"num_cpus": 3},
         "trainer": {"work_dir": str(work / "jobs")},
-        "gateway": {"port": find_free_port(), "db_path": str(work / "db.sqlite"),
+        "gateway": {"port": 0, "db_path": str(work / "db.sqlite"),
                     **({"api_key": AGENT, "admin_api_key": ADMIN} if keys else {})},
     }
     for name, values in sections.items():

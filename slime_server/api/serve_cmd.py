@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slime_server.api.gateway_thread import GatewayThread
+from slime_server.api.gateway_thread import GatewayThread, bind_listener
 from slime_server.config import GatewaySettings, ServerSettings
 from slime_server.online.attach import attach_online
 from slime_server.online.preset import feedback_settings, online_job_spec
@@ -120,7 +120,13 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
         from slime_server.online.judge_server import with_judge_cpus
 
         settings = with_judge_cpus(settings, judge_engines)
-    dep = Deployment.start(settings, log_dir=log_dir)
+    listener = bind_listener(gw_settings.host, gw_settings.port)  # ours from here on (0: any free port)
+    gw_settings = gw_settings.model_copy(update={"port": int(listener.getsockname()[1])})
+    try:
+        dep = Deployment.start(settings, log_dir=log_dir)
+    except BaseException:
+        listener.close()
+        raise
     jobs = judge = supervisor = None
     try:
         print(f"router_url: {dep.router_url}", flush=True)
@@ -141,10 +147,11 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
         supervisor.start()
         if online is not None:
             attach_online(app.state.gw, online, gw_settings)
-        gateway = GatewayThread(app, gw_settings.host, gw_settings.port).start()
+        gateway = GatewayThread(app, gw_settings.host, gw_settings.port, listener).start()
         if online_job is not None and jobs is not None:
             start_online_job(jobs, online_job)
     except BaseException:
+        listener.close()
         if supervisor is not None:
             supervisor.stop()
         if jobs is not None:

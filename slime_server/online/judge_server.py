@@ -55,22 +55,22 @@ def with_judge_cpus(settings: ServerSettings, judge_engines: int) -> ServerSetti
 def start_judge_deployment(settings: ServerSettings, model: str, num_engines: int,
                            log_dir: str | Path | None) -> JudgeDeployment:
     """Engines + router + a loopback serve-only gateway for the judge; Ray must already be up."""
-    from slime_server.api.gateway_thread import GatewayThread
+    from slime_server.api.gateway_thread import GatewayThread, bind_listener
     from slime_server.api.server import build_gateway
     from slime_server.launch import Deployment, resolve_model_path
-    from slime_server.utils.net import find_free_port
 
     if num_engines < 1:
         raise ValueError("the judge needs at least one engine")
     dep = Deployment.start(judge_server_settings(settings, model, num_engines),
                            log_dir=Path(log_dir) / "judge" if log_dir else None)
     try:
-        port = find_free_port()
+        listener = bind_listener("127.0.0.1", 0)
+        port = int(listener.getsockname()[1])
         db_path = str(dep.log_dir / "judge_trajectories.db")
         app = build_gateway(dep.router_url, resolve_model_path(model),
                             GatewaySettings(host="127.0.0.1", port=port, db_path=db_path),
                             engine_api_key=dep.engine_api_key)
-        gateway = GatewayThread(app, "127.0.0.1", port).start()
+        gateway = GatewayThread(app, "127.0.0.1", port, listener).start()
     except BaseException:
         dep.shutdown()
         raise
