@@ -26,7 +26,7 @@ serve: install
 
 test: install
 	$(BIN)/python -m ruff check slime_server tools tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(BIN)/python tools/bench_engine.py

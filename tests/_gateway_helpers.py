@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from slime_server.rollout.owned import start_retrying
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group, python_module_cmd, spawn
 
@@ -39,22 +41,32 @@ def start_gateway(router_url: str, model_path: Path, db_path: Path, log_path: Pa
                   *extra: str, settings: dict | None = None) -> GatewayProc:
     """``slime-server gateway`` on a free port; ``settings``: more of the gateway section (limits, CORS, ...),
     given as the user would, in a ``--config`` YAML file beside the log."""
-    port = find_free_port()
     config: list[str] = []
     if settings:
         path = log_path.with_suffix(".settings.yaml")
         path.write_text(yaml.safe_dump({"gateway": settings}))
         config = ["--config", str(path)]
-    cmd = python_module_cmd("slime_server.cli", "gateway", "--router-url", router_url, "--model-path",
-                            str(model_path), "--db-path", str(db_path), "--port", str(port), "--served-model-name",
-                            MODEL, *config, *extra)
-    proc = spawn(cmd, env={"OMP_NUM_THREADS": "1"}, log_path=str(log_path))
-    url = f"http://127.0.0.1:{port}"
+    started: dict[str, Any] = {}
+
+    def launch() -> None:  # a fresh port each try: another process may take the one chosen before we bind it
+        port = find_free_port()
+        cmd = python_module_cmd("slime_server.cli", "gateway", "--router-url", router_url, "--model-path",
+                                str(model_path), "--db-path", str(db_path), "--port", str(port),
+                                "--served-model-name", MODEL, *config, *extra)
+        started.update(url=f"http://127.0.0.1:{port}",
+                       proc=spawn(cmd, env={"OMP_NUM_THREADS": "1"}, log_path=str(log_path)))
+
+    def port_taken() -> bool:
+        return "address already in use" in log_path.read_text(errors="replace").lower()
+
     try:
-        wait_http_ok(f"{url}/health", timeout=90, proc=proc)
+        start_retrying(launch, lambda: wait_http_ok(f"{started['url']}/health", timeout=90, proc=started["proc"]),
+                       lambda: kill_group(started["proc"]), port_taken)
     except Exception:
-        kill_group(proc)
+        if "proc" in started:
+            kill_group(started["proc"])
         raise RuntimeError(f"gateway did not start:\n{log_path.read_text()[-3000:]}") from None
+    url, proc = started["url"], started["proc"]
     return GatewayProc(url, proc, db_path, log_path)
 
 

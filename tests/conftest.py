@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Under two xdist workers (`pytest -n 2 --dist loadfile --no-loadscope-reorder`) engines and trainer ranks of both
 # share 2 cores with 2 OpenMP threads each; busy-waiting threads then take the cores from the ones with work.
 # Measured, two processes of 2 threads each doing 256x256 @ 256x768 matmuls: 37.9 s each by default, 18.6 s with
-# PASSIVE (one alone: 11.1 s, 13.9 s PASSIVE). The serial `make test` keeps OpenMP's default.
+# PASSIVE (one alone: 11.1 s, 13.9 s PASSIVE). A serial run (`pytest -q`) keeps OpenMP's default.
 XDIST = "PYTEST_XDIST_WORKER" in os.environ
 if XDIST:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
