@@ -150,3 +150,41 @@ def test_session_abort_reaches_a_continuation(gateway: GatewayProc, router_url: 
     traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
     assert sum(traj[0]["loss_mask"]) == done.usage.completion_tokens
     assert traj[0]["turns"][-1]["finish_reason"] == "abort"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_session_abort_reaches_a_streamed_turn(gateway: GatewayProc, router_url: str, n: int) -> None:
+    """A streamed turn's samples are engine streams registered with the session (n = 3: three of them, merged):
+    the session abort ends the stream early, nothing is continued, and the turn is recorded with what streamed."""
+    client = openai_client(gateway)
+    sid = f"surplus-stream-{n}"
+    engine = _engine_url(router_url)
+    before = _counter(gateway, "slime_partial_rollout_continuations_total")
+    chunks: list = []
+
+    def consume() -> None:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=PROMPT, max_tokens=400, n=n, temperature=1.0, seed=7, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            extra_headers={"X-Session-Id": sid})
+        chunks.extend(stream)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _load(engine)["num_running_reqs"] < n:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    r = httpx.post(f"{gateway.base_url}/sessions/{sid}/abort", timeout=30)
+    assert r.status_code == 200 and r.json()["aborted"] == n  # one engine stream per sample, all registered
+    t.join(120)
+    assert not t.is_alive()
+    usage = chunks[-1].usage
+    assert 0 < usage.completion_tokens < n * 400  # stopped early
+    finish = {c.index: c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason}
+    assert sorted(finish) == list(range(n)) and "length" not in finish.values()
+    assert _counter(gateway, "slime_partial_rollout_continuations_total") == before  # not continued
+    streamed = "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices if c.index == 0)
+    traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
+    assert sum(sum(row["loss_mask"]) for row in traj) == usage.completion_tokens
+    assert streamed  # the client got the text generated before the abort

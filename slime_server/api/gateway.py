@@ -6,6 +6,7 @@ the other (``app.py`` includes the routers; the routers depend on this and ``dep
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,10 +15,18 @@ from prometheus_client import Counter
 from slime_server.api.engine_client import EngineClient
 from slime_server.api.errors import APIError
 from slime_server.api.pacing import Pacer
-from slime_server.api.partial import InflightRegistry, abort_everywhere, abort_resending, generate_continuing
+from slime_server.api.partial import (
+    InflightRegistry,
+    abort_everywhere,
+    abort_resending,
+    generate_continuing,
+    sample_rids,
+    stream_samples,
+)
 from slime_server.api.reasoning import ReasoningParser, get_reasoning_parser
 from slime_server.api.tool_parsers import ToolCallParser, get_tool_parser
 from slime_server.config import GatewaySettings
+from slime_server.rollout.protocol import GenerateOutput
 
 PARTIAL_CONTINUATIONS = Counter("slime_partial_rollout_continuations_total",
                                 "engine-aborted generations the gateway continued (partial rollouts)")
@@ -113,6 +122,25 @@ class Gateway:
         if continued:
             PARTIAL_CONTINUATIONS.inc(continued)
         return outs
+
+    async def generate_stream(self, session_id: str, rid: str, input_ids: list[int], params: dict[str, Any],
+                              **kw: Any) -> AsyncIterator[GenerateOutput]:
+        """Engine streams for a recorded streamed turn, abortable per session as ``generate`` is: every sample's
+        rid is registered with the session before it is sent (``partial.stream_samples``)."""
+        rids = sample_rids(rid, int(params.get("n") or 1))
+        for r in rids:
+            self.inflight.add(session_id, r)
+
+        async def abort(rids: list[str]) -> int:
+            return await abort_everywhere(self.engine.base_url, rids, self.engine.http)
+
+        try:
+            async for out in stream_samples(self.engine.generate_stream, input_ids, params, rid,
+                                            aborted=self.inflight.aborted, abort=abort, **kw):
+                yield out
+        finally:
+            for r in rids:
+                self.inflight.done(session_id, r)
 
     async def abort_session(self, session_id: str) -> dict[str, int]:
         """Abort every generation in flight for ``session_id`` on every engine (surplus rollouts)."""

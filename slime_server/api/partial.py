@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -276,3 +276,65 @@ def abort_resending(generate: Generate, aborted: Callable[[str], bool],
                 task.cancel()
 
     return call
+
+
+StreamOne = Callable[..., AsyncIterator[GenerateOutput]]
+
+
+async def stream_samples(stream: StreamOne, input_ids: list[int], params: dict[str, Any], rid: str, *,
+                         aborted: Callable[[str], bool], abort: Callable[[list[str]], Awaitable[Any]],
+                         interval: float = ABORT_RESEND_S, **kw: Any) -> AsyncIterator[GenerateOutput]:
+    """A streamed request's samples as engine streams of their own, merged: what ``generate_continuing`` does
+    for a non-streamed one, so a session abort reaches streams too. Every sample is one engine stream (n > 1:
+    rid ``{rid}_{i}``, seed + i; ``sample_rids``), its events tagged with the sample's ``index``. A sample
+    aborted before it is sent is not sent; while an aborted sample still streams, its abort is sent again every
+    ``interval`` seconds (an abort that reached the engine before the request stopped nothing). The caller
+    registers ``sample_rids(rid, n)`` before iterating. Not continued after an engine-side abort: the client
+    already has the text so far."""
+    n = int(params.get("n") or 1)
+    rids = sample_rids(rid, n)
+    queue: asyncio.Queue[tuple[int, GenerateOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, r: str) -> None:
+        try:
+            if aborted(r):
+                await queue.put((i, _aborted_before_sending(r, len(input_ids))))
+                return
+            sample_params = _shift_seed({**params, "n": 1}, i) if n > 1 else params
+            async for out in stream(input_ids, sample_params, rid=r, **kw):
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001  (handed to the consumer, which raises it)
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(rids)]
+    running = set(range(n))
+    loop = asyncio.get_running_loop()
+    next_resend = loop.time() + interval
+    try:
+        while running:
+            try:
+                i, item = await asyncio.wait_for(queue.get(), timeout=interval)
+            except TimeoutError:
+                i, item = -1, None
+            if loop.time() >= next_resend:
+                again = [rids[k] for k in running if aborted(rids[k])]
+                if again:
+                    try:
+                        await abort(again)
+                    except Exception as e:  # noqa: BLE001  (best effort: the next round tries again)
+                        log.warning("abort of %s failed: %r", again, e)
+                next_resend = loop.time() + interval
+            if i < 0:
+                continue
+            if item is None:
+                running.discard(i)
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item if n == 1 else item.model_copy(update={"index": i})
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

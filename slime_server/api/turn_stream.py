@@ -130,8 +130,10 @@ async def turn_events(gw: Gateway, turn: ChatTurn, call: dict[str, Any], *,
         states = [ChoiceStream(gw, turn) for _ in range(n)]
         sent = False
         try:
-            async for out in gw.engine.generate_stream(call["input_ids"], call["sampling_params"],
-                                                       return_logprob=True, top_logprobs_num=call["top_logprobs_num"]):
+            rid = turn.response_id if attempt == 0 else f"{turn.response_id}-retry{attempt}"  # rids are unique
+            async for out in gw.generate_stream(turn.prepared.session_id, rid, call["input_ids"],
+                                                call["sampling_params"], return_logprob=True,
+                                                top_logprobs_num=call["top_logprobs_num"]):
                 i = out.index or 0
                 if not 0 <= i < n:
                     continue
