@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from slime_server.utils.net import find_free_port
-
 WORKER = Path(__file__).with_name("_trainer_worker.py")
 
 
@@ -47,24 +45,42 @@ def write_inputs(tmp: Path, settings: Any, samples: list[Any]) -> tuple[Path, Pa
 
 
 def run_ranks(world_size: int, args: list[str], timeout: float = 240.0) -> None:
-    """Run ``world_size`` copies of the worker as one torch.distributed group; fail on any error."""
-    port = find_free_port()
-    procs = []
-    for rank in range(world_size):
+    """Run ``world_size`` copies of the worker as one torch.distributed group; fail on any error. Rank 0 binds the
+    rendezvous first, on a port the OS picks, and the others are started with it (a port chosen here and bound
+    later by rank 0 could be taken in between by another test worker's process)."""
+    import tempfile
+    import time
+
+    procs: list[subprocess.Popen] = []
+
+    def start(rank: int, port: int, extra: dict[str, str]) -> None:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **extra}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+
     outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp) / "port"
+        try:
+            start(0, 1, {"SLIME_PORT_FILE": str(port_file)} if world_size > 1 else {})  # port 1: unused by rank 0
+            deadline = time.monotonic() + timeout
+            while world_size > 1 and not port_file.exists():
+                if procs[0].poll() is not None:
+                    raise AssertionError("rank 0 exited before it opened the rendezvous:\n"
+                                         + procs[0].communicate()[0].decode(errors="replace")[-4000:])
+                assert time.monotonic() < deadline, "rank 0 did not open the rendezvous in time"
+                time.sleep(0.05)
+            for rank in range(1, world_size):
+                start(rank, int(port_file.read_text()), {})
+            for p in procs:
+                out, _ = p.communicate(timeout=timeout)
+                outputs.append(out.decode(errors="replace"))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"rank {rank} failed (rc={p.returncode}):\n{out[-4000:]}"
 

@@ -43,6 +43,12 @@ def main() -> None:
                                     master_port=int(os.environ["MASTER_PORT"]))
     samples = [TrainSample.model_validate(s) for s in json.load(open(args.batch))]
     rank = TrainerRank(settings, rendezvous)
+    if os.environ.get("SLIME_PORT_FILE"):  # rank 0 binds the rendezvous first and says where (run_ranks)
+        _, port = rank.open_rendezvous(rendezvous.world_size if rendezvous else 1)
+        tmp = os.environ["SLIME_PORT_FILE"] + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, os.environ["SLIME_PORT_FILE"])
     layout = rank.setup()
     resumed = rank.load_checkpoint(args.load) if args.load else None
     def masked_logprob_sum() -> float:

@@ -73,21 +73,27 @@ class TrainerRank:
         self.critic: OptimizerBundle | None = None
         self.step = 0
         self.policy_version = 0
+        self._store: Any = None  # rank 0's rendezvous store (open_rendezvous), bound before the others join
 
     @staticmethod
-    def free_address() -> tuple[str, int]:
-        """This host's IP and a free port: rank 0 calls it so the group rendezvous works across nodes."""
+    def node_ip() -> str:
+        """This host's IP as the other ranks reach it (Ray's view of the node; loopback outside Ray)."""
         import socket
-
-        from slime_server.utils.net import find_free_port
 
         try:
             import ray
 
-            ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         except ImportError:
-            ip = socket.gethostbyname(socket.gethostname())
-        return ip, find_free_port("0.0.0.0")
+            return socket.gethostbyname(socket.gethostname())
+
+    def open_rendezvous(self, world_size: int) -> tuple[str, int]:
+        """Rank 0, before ``setup``: the group's rendezvous store, bound now on a port the OS picks; this node's
+        IP and that port, for every rank's ``RendezvousInfo``."""
+        from slime_server.trainer.parallel import open_rendezvous
+
+        self._store = open_rendezvous(world_size)
+        return self.node_ip(), int(self._store.port)
 
     def setup(self, rendezvous: RendezvousInfo | None = None) -> dict[str, int]:
         """Init torch.distributed + Megatron groups, build the model, load weights, build the optimizer."""
@@ -103,7 +109,8 @@ class TrainerRank:
             self.rendezvous.export()
         if self.settings.pp_size > 1 and self.settings.critic is not None:
             raise ValueError("a critic needs pp_size 1 (the value model is not pipelined yet)")
-        layout = init_parallel(tp_size=self.settings.tp_size, pp_size=self.settings.pp_size, seed=self.settings.seed)
+        layout = init_parallel(tp_size=self.settings.tp_size, pp_size=self.settings.pp_size, seed=self.settings.seed,
+                               store=self._store)
         dtype = torch.bfloat16 if self.settings.bf16 else torch.float32
         model = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype,
                                 **self.settings.megatron_args)
@@ -268,10 +275,10 @@ class TrainerGroup:
         return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def setup(self) -> list[dict[str, int]]:
-        """Rendezvous at rank 0's node (its IP, a free port there), then set every rank up."""
+        """Rendezvous at rank 0's node (its IP, the port its store bound), then set every rank up."""
         import ray
 
-        ip, port = ray.get(self.actors[0].free_address.remote())
+        ip, port = ray.get(self.actors[0].open_rendezvous.remote(self.world_size))
         return ray.get([
             a.setup.remote(RendezvousInfo(rank=r, world_size=self.world_size, master_addr=ip, master_port=port))
             for r, a in enumerate(self.actors)

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from slime_server.trainer.megatron_cpu import apply_cpu_patches, cuda_available
-from slime_server.utils.net import find_free_port
 
 
 @dataclass(frozen=True)
@@ -33,26 +32,39 @@ class ParallelLayout:
     dp_rank: int
 
 
-def _init_process_group(backend: str, timeout_s: float) -> None:
+def open_rendezvous(world_size: int, timeout_s: float = 600.0, host: str = "0.0.0.0") -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening from now on, on a port the OS picks (``.port``). Why not a free port
+    chosen first and bound at ``init_process_group``: another process on the host can take it in between (seen:
+    EADDRINUSE when two test workers started trainer groups at once)."""
     from datetime import timedelta
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def _init_process_group(backend: str, timeout_s: float, store: dist.TCPStore | None = None) -> None:
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=timeout_s)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if store is None and world > 1:  # a rank joining rank 0's store (torchrun's env vars; rank 0 under torchrun)
+        dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
         return
-    port = find_free_port()
-    dist.init_process_group(
-        backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    if store is None:  # alone: a store of our own, no port to agree on
+        store = open_rendezvous(1, timeout_s, "127.0.0.1")
+    # as init_method="env://" does for the other ranks, so their keys meet ours
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store),
+                            rank=int(os.environ.get("RANK", "0")), world_size=world, timeout=timeout)
 
 
 def init_parallel(
     tp_size: int = 1, pp_size: int = 1, *, seed: int = 1234, backend: str | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = 600.0, store: dist.TCPStore | None = None,
 ) -> ParallelLayout:
     """Initialise torch.distributed (if needed) and Megatron's TP/PP/DP groups; seed RNGs.
 
-    DP size is whatever is left: world_size / (tp_size * pp_size).
+    DP size is whatever is left: world_size / (tp_size * pp_size). ``store``: rank 0's ``open_rendezvous``
+    (the other ranks join it by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -62,7 +74,7 @@ def init_parallel(
     elif "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        _init_process_group(backend or ("nccl" if on_gpu else "gloo"), timeout_s)
+        _init_process_group(backend or ("nccl" if on_gpu else "gloo"), timeout_s, store)
     world = dist.get_world_size()
     if world % (tp_size * pp_size) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp_size * pp_size}")

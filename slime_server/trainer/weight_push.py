@@ -46,7 +46,7 @@ from slime_server.rollout.protocol import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from slime_server.utils.net import address_towards, find_free_port, is_local_host
+from slime_server.utils.net import address_towards, is_local_host
 from slime_server.weights import (
     DEFAULT_BUCKET_BYTES,
     FLATTENED_BUCKET,
@@ -386,17 +386,18 @@ class WeightPusher:
     def _connect(self) -> None:
         """Form the group: every engine joins over HTTP while this process opens rank 0."""
         self._group_name = f"slime-{uuid.uuid4().hex[:12]}"
-        port = find_free_port("0.0.0.0")
         tps = self._tp_now
         world = 1 + sum(tps)
+        # The rendezvous listens before its port is announced (port 0: the OS picks one, no other process can take
+        # it in between); it is open only while the group forms: its server is dropped below, joined or not.
+        server = host_weight_rendezvous(self.master_address, 0, world, GROUP_TIMEOUT_S)
+        port = int(server.port)
         offsets = [1 + sum(tps[:i]) for i in range(len(self.engine_urls))]
         backend = self.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         bodies = {u: InitWeightsUpdateGroupReqInput(master_address=self.master_address, master_port=port,
                                                     rank_offset=off, world_size=world, group_name=self._group_name,
                                                     backend=backend)
                   for u, off in zip(self.engine_urls, offsets, strict=True)}
-        # The rendezvous port is open only while the group forms: its server is dropped below, joined or not.
-        server = host_weight_rendezvous(self.master_address, port, world, GROUP_TIMEOUT_S)
         futures = [(u, self._pool.submit(self._post, u, "/init_weights_update_group", bodies[u]))
                    for u in self.engine_urls]
         # Rank 0 joins on a thread of its own: when an engine refuses to join (a wrong key, a bad request)
