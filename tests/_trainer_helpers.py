@@ -85,5 +85,13 @@ def run_ranks(world_size: int, args: list[str], timeout: float = 240.0) -> None:
         assert p.returncode == 0, f"rank {rank} failed (rc={p.returncode}):\n{out[-4000:]}"
 
 
+def run_plan(world_size: int, plan_dir: Path, jobs: list[dict[str, Any]], timeout: float = 600.0) -> None:
+    """Several runs (the worker's flags as keys: settings, batch, out, steps, save_at, ckpt, load) one after another
+    in the same ``world_size`` rank processes: one interpreter and megatron import per rank for all of them."""
+    path = plan_dir / f"plan-world{world_size}.json"
+    path.write_text(json.dumps([{k: str(v) if isinstance(v, Path) else v for k, v in job.items()} for job in jobs]))
+    run_ranks(world_size, ["--plan", str(path)], timeout=timeout)
+
+
 def load_result(path: Path) -> dict[str, Any]:
     return torch.load(path, weights_only=True)

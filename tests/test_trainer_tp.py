@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests._megatron_helpers import make_config, save_random_hf_model
-from tests._trainer_helpers import load_result, make_batch, run_ranks, write_inputs
+from tests._trainer_helpers import load_result, make_batch, run_plan, write_inputs
 
 STEPS = 3
 
@@ -44,33 +44,33 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # a KL term to a frozen reference: the reference model is pipelined like the policy
     kl = tied.model_copy(update={"reference": True, "train": tied.train.model_copy(update={
         "loss": LossConfig(loss_type="grpo", kl_coef=0.5, kl_type="low_var_kl")})})
-    for name, world, pp, base in (("tied_pp1", 1, 1, tied), ("tied_pp2", 2, 2, tied), ("kl_pp1", 1, 1, kl),
-                                  ("kl_pp2", 2, 2, kl)):
-        run_dir = tmp / name
-        run_dir.mkdir()
-        settings_path, batch_path = write_inputs(run_dir, base.model_copy(update={"pp_size": pp}), samples)
-        run_ranks(world, ["--settings", str(settings_path), "--batch", str(batch_path),
-                          "--out", str(run_dir / "out.pt"), "--steps", str(STEPS)])
-        out[name] = load_result(run_dir / "out.pt")
-    for name, world, tp, pp in (("tp1", 1, 1, 1), ("tp2", 2, 2, 1), ("dp2", 2, 1, 1), ("pp2", 2, 1, 2),
-                                ("tp2pp2", 4, 2, 2)):
-        run_dir = tmp / name
-        run_dir.mkdir()
-        settings_path, batch_path = write_inputs(run_dir, settings.model_copy(update={"tp_size": tp, "pp_size": pp}),
-                                                 samples)
-        save = ["--save-at", "1", "--ckpt", str(tmp / f"ckpt-{name}")] if name in ("tp1", "pp2") else []
-        run_ranks(world, ["--settings", str(settings_path), "--batch", str(batch_path),
-                          "--out", str(run_dir / "out.pt"), "--steps", str(STEPS), *save])
-        out[name] = load_result(run_dir / "out.pt")
-    # resharding: the checkpoint after step 1 resumed on another layout takes steps 2 and 3
-    for name, world, tp, pp, source in (("tp1_to_pp2", 2, 1, 2, "tp1"), ("pp2_to_tp2", 2, 2, 1, "pp2")):
-        run_dir = tmp / name
-        run_dir.mkdir()
-        settings_path, batch_path = write_inputs(run_dir, settings.model_copy(update={"tp_size": tp, "pp_size": pp}),
-                                                 samples)
-        run_ranks(world, ["--settings", str(settings_path), "--batch", str(batch_path), "--out",
-                          str(run_dir / "out.pt"), "--steps", str(STEPS - 1), "--load", str(tmp / f"ckpt-{source}")])
-        out[name] = load_result(run_dir / "out.pt")
+    # name, world size, settings, extra keys of the run; grouped by world size, each group one set of rank processes
+    runs: list[tuple[str, int, Any, dict[str, Any]]] = [
+        ("tp1", 1, settings, {"save_at": 1, "ckpt": tmp / "ckpt-tp1"}),
+        ("tied_pp1", 1, tied, {}), ("kl_pp1", 1, kl, {}),
+        ("tp2", 2, settings.model_copy(update={"tp_size": 2}), {}), ("dp2", 2, settings, {}),
+        ("pp2", 2, settings.model_copy(update={"pp_size": 2}), {"save_at": 1, "ckpt": tmp / "ckpt-pp2"}),
+        ("tied_pp2", 2, tied.model_copy(update={"pp_size": 2}), {}),
+        ("kl_pp2", 2, kl.model_copy(update={"pp_size": 2}), {}),
+        # resharding: the checkpoint after step 1 resumed on another layout takes steps 2 and 3
+        ("tp1_to_pp2", 2, settings.model_copy(update={"pp_size": 2}),
+         {"steps": STEPS - 1, "load": tmp / "ckpt-tp1"}),
+        ("pp2_to_tp2", 2, settings.model_copy(update={"tp_size": 2}), {"steps": STEPS - 1, "load": tmp / "ckpt-pp2"}),
+        ("tp2pp2", 4, settings.model_copy(update={"tp_size": 2, "pp_size": 2}), {}),
+    ]
+    for world in (1, 2, 4):
+        jobs = []
+        for name, w, run_settings, extra in runs:
+            if w != world:
+                continue
+            run_dir = tmp / name
+            run_dir.mkdir()
+            settings_path, batch_path = write_inputs(run_dir, run_settings, samples)
+            jobs.append({"settings": settings_path, "batch": batch_path, "out": run_dir / "out.pt", "steps": STEPS,
+                         **extra})
+        run_plan(world, tmp, jobs)
+    for name, *_ in runs:
+        out[name] = load_result(tmp / name / "out.pt")
     return out
 
 
