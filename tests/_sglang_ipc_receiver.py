@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import json
 import sys
 import traceback
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests._json_http import JsonHandler  # noqa: E402
 from tests._sglang_source import (  # noqa: E402  (the repository root goes on the path first)
     TENSOR_BUCKET,
     load_by_path,
@@ -85,25 +85,17 @@ class Receiver:
 def serve(port: int, tp: int, out: Path, cuda: bool) -> None:
     receiver = Receiver(tp, cuda)
 
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self, code: int, obj: dict[str, Any]) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
             if self.path == "/model_info":
-                self._answer(200, {"model_path": "colocated", "weight_version": receiver.version})
+                self.answer(200, {"model_path": "colocated", "weight_version": receiver.version})
             elif self.path == "/server_info":
-                self._answer(200, {"tp_size": receiver.tp, "weight_version": receiver.version})
+                self.answer(200, {"tp_size": receiver.tp, "weight_version": receiver.version})
             else:
-                self._answer(404, {"detail": "Not Found"})
+                self.answer(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            body = self.read_json()
             try:
                 if self.path == "/update_weights_from_tensor":
                     receiver.update_from_tensor(body)
@@ -111,16 +103,13 @@ def serve(port: int, tp: int, out: Path, cuda: bool) -> None:
                     torch.save({"tensors": {k: t.cpu() for k, t in receiver.tensors.items()}, "requests": receiver.requests,
                                 "version": receiver.version}, out)
                 elif self.path not in ("/pause_generation", "/continue_generation"):
-                    self._answer(404, {"detail": "Not Found"})
+                    self.answer(404, {"detail": "Not Found"})
                     return
             except Exception as e:  # noqa: BLE001  (SGLang answers a failed update with success false)
                 traceback.print_exc()
-                self._answer(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
+                self.answer(400, {"success": False, "message": f"{type(e).__name__}: {e}"})
                 return
-            self._answer(200, {"success": True, "message": "Succeeded"})
-
-        def log_message(self, *args: Any) -> None:
-            pass
+            self.answer(200, {"success": True, "message": "Succeeded"})
 
     HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 

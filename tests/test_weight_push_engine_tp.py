@@ -6,16 +6,15 @@ own CPU engine runs TP 1 and is covered by test_weight_push.py)."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
 
 from slime_server.trainer.weight_push import WeightPusher
+from tests._json_http import JsonHandler
 
 
 class _Engine:
@@ -30,34 +29,23 @@ class _Engine:
 def engine(request: pytest.FixtureRequest) -> Iterator[tuple[str, _Engine]]:
     state = _Engine(request.param)
 
-    class Handler(BaseHTTPRequestHandler):
-        def _json(self, obj: dict[str, Any], code: int = 200) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
             if self.path == "/model_info":
-                self._json({"weight_version": state.version})
+                self.answer(200, {"weight_version": state.version})
             elif self.path == "/server_info":
                 state.server_info_calls += 1
-                self._json({} if state.tp is None else {"tp_size": state.tp})
+                self.answer(200, {} if state.tp is None else {"tp_size": state.tp})
             else:
-                self._json({"detail": "Not Found"}, 404)
+                self.answer(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.read_json()
             if self.path == "/update_weights_from_tensor":
                 state.payload_counts.append(len(body["serialized_named_tensors"]))
                 if body.get("weight_version"):
                     state.version = body["weight_version"]
-            self._json({"success": True, "message": ""})
-
-        def log_message(self, *args: Any) -> None:
-            pass
+            self.answer(200, {"success": True, "message": ""})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
