@@ -63,6 +63,7 @@ def start_judge_deployment(settings: ServerSettings, model: str, num_engines: in
         raise ValueError("the judge needs at least one engine")
     dep = Deployment.start(judge_server_settings(settings, model, num_engines),
                            log_dir=Path(log_dir) / "judge" if log_dir else None)
+    listener = None
     try:
         listener = bind_listener("127.0.0.1", 0)
         port = int(listener.getsockname()[1])
@@ -72,6 +73,8 @@ def start_judge_deployment(settings: ServerSettings, model: str, num_engines: in
                             engine_api_key=dep.engine_api_key)
         gateway = GatewayThread(app, "127.0.0.1", port, listener).start()
     except BaseException:
+        if listener is not None:
+            listener.close()
         dep.shutdown()
         raise
     return JudgeDeployment(dep, gateway, f"http://127.0.0.1:{port}/v1", db_path)
