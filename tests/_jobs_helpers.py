@@ -68,11 +68,27 @@ def rest(server: Any) -> httpx.Client:
     return httpx.Client(base_url=server.base_url, timeout=120, headers={"Authorization": f"Bearer {AGENT}"})
 
 
+def create_paced(client: OpenAI, timeout: float = 300, **kw: Any) -> Any:
+    """``chat.completions.create`` as a well-behaved agent calls it while a job trains: a 429 of buffer pacing
+    (the trainer is behind) is waited out for its Retry-After, as the built-in runner does; any other error
+    raises. ``client`` must not retry on its own (``max_retries=0``), so that other errors surface."""
+    from openai import RateLimitError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.chat.completions.create(**kw)
+        except RateLimitError as e:
+            assert "buffer is full" in str(e) and time.monotonic() < deadline, e
+            time.sleep(float(e.response.headers.get("retry-after", "1")))
+
+
 def episode(server: Any, i: int, *, metadata: dict[str, str] | None = None) -> str:
-    """One session: a chat turn through the OpenAI SDK, a reward, close. Returns the session id."""
+    """One session: a chat turn through the OpenAI SDK (waiting out buffer pacing), a reward, close. Returns
+    the session id."""
     sid = f"ep-{uuid.uuid4().hex[:12]}"
     client = OpenAI(base_url=server.base_url, api_key=AGENT, default_headers={"X-Session-Id": sid}, max_retries=0)
-    r = client.chat.completions.create(model=Path(server.deployment.model_path).name, max_tokens=6, temperature=1.0,
+    r = create_paced(client, model=Path(server.deployment.model_path).name, max_tokens=6, temperature=1.0,
                                        messages=[{"role": "user", "content": f"Count to {i % 7}."}], seed=i,
                                        metadata=metadata)
     text = r.choices[0].message.content or ""

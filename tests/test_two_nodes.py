@@ -33,7 +33,7 @@ import pytest
 from openai import OpenAI
 
 from slime_server.utils.procs import kill_group
-from tests._jobs_helpers import ADMIN, AGENT, job_events, start_stack
+from tests._jobs_helpers import ADMIN, AGENT, create_paced, job_events, start_stack
 from tests._netns_helpers import netns_pids, two_namespaces
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -61,8 +61,8 @@ def cluster() -> Iterator[Any]:
 def _episode(base_url: str, model: str, i: int) -> None:
     sid = f"two-{uuid.uuid4().hex[:10]}"
     client = OpenAI(base_url=base_url, api_key=AGENT, default_headers={"X-Session-Id": sid}, max_retries=0)
-    r = client.chat.completions.create(model=model, max_tokens=6, temperature=1.0, seed=i,
-                                       messages=[{"role": "user", "content": f"Count to {i % 7}."}])
+    r = create_paced(client, model=model, max_tokens=6, temperature=1.0, seed=i,
+                     messages=[{"role": "user", "content": f"Count to {i % 7}."}])
     text = r.choices[0].message.content or ""
     with httpx.Client(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {AGENT}"}) as c:
         c.post(f"/sessions/{sid}/reward", json={"reward": float(len(text) % 3 == 0) + random.random()}
@@ -101,8 +101,11 @@ def test_job_on_two_nodes_pushes_across_with_the_engine_key(cluster: Any, tiny_m
 
         admin = httpx.Client(base_url=running.base_url.removesuffix("/v1"), timeout=300,
                              headers={"Authorization": f"Bearer {ADMIN}"})
+        # a small buffer: while the trainer's ranks start on the other node, the episodes are paced (429 +
+        # Retry-After, waited out) instead of piling up hundreds the job never trains on
         body = {"name": "two-nodes", "algorithm": "reinforce_plus_plus", "optimizer": {"lr": 1e-3},
-                "loop": {"batch_size": 4, "max_steps": 3, "checkpoint_interval": 10, "poll_interval_s": 0.05}}
+                "loop": {"batch_size": 4, "max_steps": 3, "checkpoint_interval": 10, "poll_interval_s": 0.05},
+                "pacing": {"max_buffered": 8, "retry_after_s": 0.25}}
         r = admin.post("/jobs", json=body)
         assert r.status_code == 200, r.text
         job_id = r.json()["id"]
@@ -136,7 +139,7 @@ BIN = Path(sys.executable).parent
 
 DRIVER = textwrap.dedent("""
     import json, random, sys, time, uuid, httpx
-    from openai import OpenAI
+    from openai import OpenAI, RateLimitError
     base, agent, admin_key, key_file, out = sys.argv[1:6]
     admin = httpx.Client(base_url=base, timeout=300, headers={"Authorization": f"Bearer {admin_key}"})
     for _ in range(600):
@@ -149,14 +152,21 @@ DRIVER = textwrap.dedent("""
     model = admin.get("/v1/models").raise_for_status().json()["data"][0]["id"]
     job = admin.post("/jobs", json={"name": "netns", "algorithm": "reinforce_plus_plus", "optimizer": {"lr": 1e-3},
                                     "loop": {"batch_size": 4, "max_steps": 3, "checkpoint_interval": 10,
-                                             "poll_interval_s": 0.05}}).raise_for_status().json()
+                                             "poll_interval_s": 0.05},
+                                    "pacing": {"max_buffered": 8, "retry_after_s": 0.25}}).raise_for_status().json()
     i, t0 = 0, time.monotonic()
     while (j := admin.get(f"/jobs/{job['id']}").raise_for_status().json())["status"] != "completed":
         assert j["status"] not in ("failed", "cancelled") and time.monotonic() - t0 < 300, j
         sid = f"netns-{uuid.uuid4().hex[:10]}"
         client = OpenAI(base_url=f"{base}/v1", api_key=agent, default_headers={"X-Session-Id": sid}, max_retries=0)
-        client.chat.completions.create(model=model, max_tokens=6, temperature=1.0, seed=i,
-                                       messages=[{"role": "user", "content": f"Count to {i % 7}."}])
+        while True:  # buffer pacing (429 + Retry-After) is waited out, as an agent would
+            try:
+                client.chat.completions.create(model=model, max_tokens=6, temperature=1.0, seed=i,
+                                               messages=[{"role": "user", "content": f"Count to {i % 7}."}])
+                break
+            except RateLimitError as e:
+                assert "buffer is full" in str(e) and time.monotonic() - t0 < 300, e
+                time.sleep(float(e.response.headers.get("retry-after", "1")))
         h = {"Authorization": f"Bearer {agent}"}
         httpx.post(f"{base}/v1/sessions/{sid}/reward", json={"reward": random.random()}, headers=h).raise_for_status()
         httpx.post(f"{base}/v1/sessions/{sid}/close", headers=h).raise_for_status()
