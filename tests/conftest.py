@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 from pathlib import Path
 
 import pytest
@@ -28,38 +27,17 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("SLIME_FUZZ_SEED", str(random.SystemRandom().randrange(2**32)))
 
 
-_TORCH_SHM = re.compile(r"^torch_(\d+)_")
-
-
 def reap_orphaned_torch_shm(root: str = "/dev/shm") -> tuple[int, int]:
     """Remove torch's shared-memory files whose creating process is gone; (files, bytes) removed.
 
-    Why: tests kill trainers on purpose (kill -9 of a rank, job cancel, server kill), and a killed trainer's weight
-    buckets (``torch_<pid>_<random>_<n>``) stay in /dev/shm, which is RAM, until the machine reboots: ~60 files,
-    ~1.3 GB per suite run. CI runs on a machine that keeps them between runs; after ~10 runs 14 GB were left and
+    Why: the product removes its own killed ranks' buckets (``TrainerGroup.shutdown``), but tests also kill
+    trainer processes it never hears of (the worker subprocesses of the trainer tests, whole process groups
+    of a server under test), and a killed process's ``torch_<pid>_*`` files stay in /dev/shm, which is RAM,
+    until the machine reboots. CI runs on a machine that keeps them between runs; once 14 GB were left and
     Ray's memory monitor killed a trainer mid-test (seen 2026-11-26). A file whose pid is alive is kept."""
-    removed = freed = 0
-    if not os.path.isdir(root):
-        return 0, 0
-    for name in os.listdir(root):
-        m = _TORCH_SHM.match(name)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue  # its process is alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        path = os.path.join(root, name)
-        try:
-            size = os.stat(path).st_size
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        removed, freed = removed + 1, freed + size
-    return removed, freed
+    from slime_server.utils.shm import reap_all_dead
+
+    return reap_all_dead(root)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from slime_server.trainer.selection import min_version
+from slime_server.utils.shm import torch_shm_files
 from tests._jobs_helpers import (
     ADMIN,
     AGENT,
@@ -225,11 +226,14 @@ def test_kill_9_of_a_trainer_rank_restarts_from_checkpoint(server: Any) -> None:
     sessions = drive(server, 16)
     j = wait_job(server, j["id"], lambda j: j["step"] >= 2 and j["checkpoints"])
     trainer = server.jobs._running[j["id"]].loop.trainer
-    os.kill(trainer.pids()[0], 9)
+    killed = trainer.pids()[0]  # the sender: its weight buckets are in /dev/shm
+    assert torch_shm_files().get(killed)
+    os.kill(killed, 9)
     sessions += drive(server, 12)  # serving goes on while the trainer is down
     # 28 trajectories = 7 batches: the steps lost with the rank are redone from the checkpoint
     j = wait_job(server, j["id"], lambda j: j["restarts"] >= 1 and j["step"] >= 7)
     assert j["step"] == 7 and j["status"] == "running"
+    assert killed not in torch_shm_files()  # the dead rank's buckets do not stay in RAM (torch's manager saw it die)
     with admin(server) as c:
         events = job_events(c, j["id"])
     kinds = [e["kind"] for e in events]
@@ -245,7 +249,15 @@ def test_kill_9_of_a_trainer_rank_restarts_from_checkpoint(server: Any) -> None:
     while engine_versions(server) != [str(job(server, j["id"])["policy_version"])] * 2:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    (replacement,) = server.jobs._running[j["id"]].loop.trainer.pids()
+    assert torch_shm_files().get(replacement)
     cancel(server, j["id"])
+    # a job's end kills its ranks (torch's manager with them: Ray kills a dead worker's children), and the
+    # buckets torch would leave in /dev/shm (a model of RAM per job) are removed by the group
+    deadline = time.monotonic() + 60
+    while replacement in torch_shm_files():
+        assert time.monotonic() < deadline, torch_shm_files()[replacement]
+        time.sleep(0.2)
 
 
 def test_dataset_job_plays_environment_episodes_in_groups(server: Any, tmp_path: Path) -> None:

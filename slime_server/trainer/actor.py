@@ -9,6 +9,7 @@ them at one rendezvous). Every collective method (``train_step``, ``compute_logp
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,6 +23,8 @@ from slime_server.trainer.critic import CriticSettings
 from slime_server.trainer.optimizer import OptimizerBundle, OptimizerSettings, build_optimizer
 from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
 from slime_server.trainer.types import TrainSample
+
+log = logging.getLogger(__name__)
 
 
 class RendezvousInfo(BaseModel):
@@ -268,6 +271,7 @@ class TrainerGroup:
                                 resources=dict(resources or {}) or None)(TrainerRank)
         self.world_size = world_size
         self.actors = [remote_cls.remote(settings) for _ in range(world_size)]
+        self._ranks: list[tuple[str, int]] = []  # (node id, pid) of every rank, once set up: shutdown reaps them
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray
@@ -279,6 +283,7 @@ class TrainerGroup:
         import ray
 
         ip, port = ray.get(self.actors[0].open_rendezvous.remote(self.world_size))
+        self._ranks = list(zip(self.node_ids(), self.pids(), strict=True))
         return ray.get([
             a.setup.remote(RendezvousInfo(rank=r, world_size=self.world_size, master_addr=ip, master_port=port))
             for r, a in enumerate(self.actors)
@@ -338,3 +343,35 @@ class TrainerGroup:
         ray.wait(refs, num_returns=len(refs), timeout=timeout)
         for a in self.actors:
             ray.kill(a)
+        self.reap_shared_memory()
+
+    def reap_shared_memory(self, wait_s: float = 10.0) -> tuple[int, int]:
+        """Remove the weight buckets (``/dev/shm/torch_<pid>_*``) of this group's rank processes once they are
+        dead, on every node they ran on (``utils/shm.py`` says why torch leaves them); (files, bytes)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from slime_server.utils.shm import reap_dead_pids
+
+        here = ray.get_runtime_context().get_node_id()
+        by_node: dict[str, list[int]] = {}
+        for node, pid in self._ranks:
+            by_node.setdefault(node, []).append(pid)
+        removed = freed = 0
+        for node, pids in by_node.items():
+            try:
+                if node == here:
+                    n, b = reap_dead_pids(pids, wait_s)
+                else:
+                    task = ray.remote(num_cpus=0)(reap_dead_pids).options(
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                    n, b = ray.get(task.remote(pids, wait_s), timeout=wait_s + 30)
+            except Exception:  # noqa: BLE001 - a node that is gone took its files with it; never fail a shutdown
+                log.warning("could not reap the shared memory of trainer ranks %s on node %s", pids, node,
+                            exc_info=True)
+                continue
+            removed, freed = removed + n, freed + b
+        if removed:
+            log.info("removed %d shared-memory files (%.1f MB) of dead trainer ranks", removed, freed / 1e6)
+        self._ranks = []
+        return removed, freed
