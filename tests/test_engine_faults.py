@@ -1,6 +1,7 @@
 """An engine killed with ``kill -9`` under load (issues 9 and 17): the router stops sending to it, no
 client sees an error (the gateway sends the dead engine's generations again through the router: the
-requests in flight at the kill complete on the other engine), the actor restarts the engine, and the
+requests in flight at the kill complete on the other engine; a long answer that was streaming from it goes on
+from the tokens the client had and equals the uninterrupted answer), the actor restarts the engine, and the
 supervisor lets it back into the router only once it serves the current weights.
 
 Real parts: two CPU engine processes owned by engine actors (with their restart monitor), the real
@@ -31,6 +32,7 @@ from tests._gateway_helpers import MODEL, start_gateway, stop_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 CURRENT = "7"  # the version the serving engines are on; a restarted engine comes back on "0"
+STORY_TOKENS = 3000  # ~10 s of one stream on the tiny model: still streaming at the kill, 3 s in
 
 
 def _served_version(url: str) -> str | None:
@@ -66,6 +68,10 @@ def _client_loop(base_url: str, stop: threading.Event, out: list[tuple[float, fl
         out.append((t0, time.monotonic(), outcome))
 
 
+def _running(engine_url: str) -> int:
+    return httpx.get(f"{engine_url}/get_server_info", timeout=10).json()["internal_states"][0]["num_running_reqs"]
+
+
 def _metric(gateway_url: str, name: str) -> float:
     text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
@@ -96,19 +102,36 @@ def test_kill_9_engine_under_load(tiny_model_path: Path, tmp_path: Path) -> None
             supervisor = EngineSupervisor(lambda: urls, router, interval_s=0.3, catch_up=catch_up).start()
             gw = start_gateway(router.url, tiny_model_path, tmp_path / "traj.db", tmp_path / "gateway.log")
 
+            # a long streamed answer, started first (the only request: its engine is the one that runs one),
+            # is in flight on the engine killed below; it must go on elsewhere as if nothing happened
+            story = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
+                         max_tokens=STORY_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+            oa = openai.OpenAI(base_url=gw.base_url, api_key="EMPTY", max_retries=0, timeout=120)
+            reference = oa.chat.completions.create(**story).choices[0].message.content
+            stream = iter(oa.chat.completions.create(**story, stream=True, stream_options={"include_usage": True},
+                                                     extra_headers={"X-Session-Id": "story"}))
+            chunks = [next(stream)]
+            while not any(c.delta.content for c in chunks[-1].choices):
+                chunks.append(next(stream))
+            (v,) = [k for k, u in enumerate(urls) if _running(u)]  # the victim: the stream's engine
+            streamed_until: list[float] = []
+            reader = threading.Thread(target=lambda: (chunks.extend(stream), streamed_until.append(time.monotonic())),
+                                      daemon=True)
+            reader.start()
+
             stop, results = threading.Event(), [[] for _ in range(4)]
             clients = [threading.Thread(target=_client_loop, args=(gw.base_url, stop, r), daemon=True)
                        for r in results]
             for c in clients:
                 c.start()
             time.sleep(3.0)
-            victim_pid = actors[0].pid()
+            victim_pid = actors[v].pid()
             killed_at = time.monotonic()
             os.kill(victim_pid, signal.SIGKILL)
             deadline = time.monotonic() + 120
             caught_up_at = None
-            while ("readmitted", urls[0]) not in supervisor.events and time.monotonic() < deadline:
-                if caught_up_at is None and ("caught_up", urls[0]) in supervisor.events:
+            while ("readmitted", urls[v]) not in supervisor.events and time.monotonic() < deadline:
+                if caught_up_at is None and ("caught_up", urls[v]) in supervisor.events:
                     caught_up_at = time.monotonic()
                 time.sleep(0.05)
             readmitted_at = time.monotonic()
@@ -117,14 +140,24 @@ def test_kill_9_engine_under_load(tiny_model_path: Path, tmp_path: Path) -> None
             stop.set()
             for c in clients:
                 c.join(timeout=90)
-            assert not any(c.is_alive() for c in clients), "a client hung"
+            reader.join(timeout=90)
+            assert not any(c.is_alive() for c in [*clients, reader]), "a client hung"
+            # the stream was running when its engine died, and went on from the tokens it had streamed: the
+            # client's text is the uninterrupted greedy answer, whole, and so is the recorded turn
+            assert streamed_until[0] > killed_at
+            story_text = "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
+            assert story_text == reference
+            assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]
+            assert chunks[-1].usage.completion_tokens == STORY_TOKENS
+            (story_turn,) = httpx.get(f"{gw.base_url}/sessions/story/trajectory", timeout=10).json()
+            assert sum(story_turn["loss_mask"]) == STORY_TOKENS
 
             events = supervisor.events
             print("supervisor events:", events, f"recovered in {readmitted_at - killed_at:.1f} s")
-            assert events.index(("quarantined", urls[0])) < events.index(("caught_up", urls[0])) \
-                < events.index(("readmitted", urls[0]))
-            assert actors[0].restarts == 1 and actors[0].pid() != victim_pid
-            assert _served_version(urls[0]) == CURRENT
+            assert events.index(("quarantined", urls[v])) < events.index(("caught_up", urls[v])) \
+                < events.index(("readmitted", urls[v]))
+            assert actors[v].restarts == 1 and actors[v].pid() != victim_pid
+            assert _served_version(urls[v]) == CURRENT
             assert sorted(router.worker_urls(healthy_only=True)) == sorted(urls)
 
             outcomes = [o for r in results for (_, _, o) in r]
@@ -133,7 +166,7 @@ def test_kill_9_engine_under_load(tiny_model_path: Path, tmp_path: Path) -> None
             in_flight = [(t0, t1, o) for r in results for (t0, t1, o) in r if t0 < killed_at < t1]
             retries = _metric(gw.url, "slime_engine_retries_total")
             router_metrics = f"http://127.0.0.1:{router.prometheus_port}"
-            victim_failures = _metric(router_metrics, f'smg_worker_cb_outcomes_total{{worker="{urls[0]}",outcome="failure"}}')
+            victim_failures = _metric(router_metrics, f'smg_worker_cb_outcomes_total{{worker="{urls[v]}",outcome="failure"}}')
             router_retries = _metric(router_metrics, 'smg_worker_retries_total{worker_type="regular",endpoint="generate"}')
             print(f"{len(outcomes)} requests, {len(failures)} failed: {sorted(set(failures))}; {len(in_flight)} in "
                   f"flight at the kill, answered in {[round(t1 - killed_at, 2) for _, t1, _ in in_flight]} s; "

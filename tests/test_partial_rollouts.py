@@ -188,3 +188,35 @@ def test_session_abort_reaches_a_streamed_turn(gateway: GatewayProc, router_url:
     traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
     assert sum(sum(row["loss_mask"]) for row in traj) == usage.completion_tokens
     assert streamed  # the client got the text generated before the abort
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streamed_answer_the_engine_aborts_goes_on_as_if_uninterrupted(gateway: GatewayProc, router_url: str,
+                                                                         n: int) -> None:
+    """An engine-side abort mid-stream (a weight update in ``abort`` mode) does not end the client's stream: each
+    sample goes on from the tokens it streamed, and the streamed text equals the uninterrupted greedy answer; the
+    turn is recorded whole (every token with its logprob)."""
+    client = openai_client(gateway)
+    sid = f"partial-stream-{n}"
+    kw = dict(model=MODEL, messages=PROMPT, max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+    reference = client.chat.completions.create(**kw).choices[0].message.content
+    engine = _engine_url(router_url)
+    before = _counter(gateway, "slime_partial_rollout_continuations_total")
+    stream = iter(client.chat.completions.create(**kw, n=n, stream=True, stream_options={"include_usage": True},
+                                                 extra_headers={"X-Session-Id": sid}))
+    chunks = [next(stream)]
+    while not any(c.delta.content for c in chunks[-1].choices):  # the answer has begun streaming
+        chunks.append(next(stream))
+    httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}, timeout=10).raise_for_status()
+    time.sleep(0.3)
+    httpx.post(f"{engine}/continue_generation", json={}, timeout=10).raise_for_status()
+    chunks.extend(stream)
+    streamed = ["".join(c.delta.content or "" for chunk in chunks for c in chunk.choices if c.index == i)
+                for i in range(n)]
+    finish = {c.index: c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason}
+    assert streamed == [reference] * n  # greedy: every sample is the uninterrupted answer, character for character
+    assert finish == dict.fromkeys(range(n), "length") and chunks[-1].usage.completion_tokens == 300 * n
+    assert _counter(gateway, "slime_partial_rollout_continuations_total") >= before + 1  # it was aborted, and went on
+    traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
+    assert sorted(sum(row["loss_mask"]) for row in traj) == [300] * n
+    assert all(lp <= 0 for row in traj for lp, m in zip(row["rollout_logprobs"], row["loss_mask"], strict=True) if m)

@@ -219,3 +219,85 @@ def test_engine_retries_stop_at_the_budget_a_refusal_or_a_session_abort(monkeypa
     with pytest.raises(EngineError):
         run(eng, retries=5, aborted=True)
     assert len(eng.calls) == 1  # the session aborted it: not sent again
+
+
+class _StreamingEngine:
+    """A fake ``EngineClient.generate_stream``: per call, a script of cumulative events (token ids so far and a
+    finish reason on the last), ending in an exception, a cut (no final event) or normally."""
+
+    def __init__(self, scripts: list[tuple[list[int], str | None, BaseException | None]]) -> None:
+        self.scripts = list(scripts)
+        self.calls: list[dict[str, Any]] = []
+        self.registered: list[str] = []
+
+    async def stream(self, input_ids: list[int], params: dict[str, Any], *, rid: str | None = None, **kw: Any):
+        self.calls.append({"input_ids": list(input_ids), "params": dict(params), "rid": rid})
+        ids, finish, error = self.scripts.pop(0)
+        for k in range(1, len(ids) + 1):
+            out = _out(ids[:k], [("1", 0, k)], finish or "length", rid=rid or "")
+            if k < len(ids) or finish is None:  # under way (or cut: no final event at all)
+                out.meta_info.finish_reason = None
+            yield out
+        if error is not None:
+            raise error
+
+
+def _streamed(eng: _StreamingEngine, **kw: Any) -> list[GenerateOutput]:
+    async def run() -> list[GenerateOutput]:
+        events = []
+        async for out in partial.stream_samples(eng.stream, PROMPT, {"max_new_tokens": 6}, "chat-20",
+                                                aborted=kw.pop("aborted", lambda r: False), abort=_no_abort,
+                                                register=eng.registered.append, **kw):
+            events.append(out)
+        return events
+
+    return asyncio.run(run())
+
+
+async def _no_abort(rids: list[str]) -> int:
+    return 0
+
+
+def test_a_stream_goes_on_after_an_engine_abort_and_after_its_engine_died(monkeypatch) -> None:
+    monkeypatch.setattr(partial, "RETRY_BACKOFF_S", (0.0,))
+    # an engine-side abort after 2 tokens: not shown; the rest is asked for from prompt + those 2 tokens
+    eng = _StreamingEngine([([5, 6], "abort", None), ([7, 8, 9, 10], "length", None)])
+    events = _streamed(eng, max_continuations=2)
+    assert [c["rid"] for c in eng.calls] == ["chat-20", "chat-20-cont0"] and eng.registered == ["chat-20-cont0"]
+    assert eng.calls[1]["input_ids"] == PROMPT + [5, 6] and eng.calls[1]["params"]["max_new_tokens"] == 4
+    assert not [e for e in events if e.meta_info.finish_reason and e.meta_info.finish_reason.type == "abort"]
+    assert [e.output_ids for e in events][-1] == [5, 6, 7, 8, 9, 10]  # cumulative across the seam
+    assert [len(e.output_ids) for e in events] == sorted(len(e.output_ids) for e in events)
+    # the engine dies after 3 tokens (the connection drops), then a stream is cut before its final event
+    dead = EngineError(503, "inference backend unreachable", code="engine_unavailable")
+    eng = _StreamingEngine([([5, 6, 7], None, dead), ([8], None, None), ([9, 10], "length", None)])
+    events = _streamed(eng, engine_retries=3)
+    assert [c["rid"] for c in eng.calls] == ["chat-20", "chat-20-retry1", "chat-20-retry2"]
+    assert [c["input_ids"] for c in eng.calls] == [PROMPT, PROMPT + [5, 6, 7], PROMPT + [5, 6, 7, 8]]
+    assert events[-1].output_ids == [5, 6, 7, 8, 9, 10] and events[-1].meta_info.finish_reason.type == "length"
+    assert len(events[-1].meta_info.output_token_logprobs) == 6
+
+
+def test_a_stream_stops_going_on_at_the_budget_a_refusal_or_a_session_abort(monkeypatch) -> None:
+    monkeypatch.setattr(partial, "RETRY_BACKOFF_S", (0.0,))
+    dead = EngineError(503, "inference backend unreachable", code="engine_unavailable")
+    eng = _StreamingEngine([([5], None, dead), ([6], None, dead)])
+    with pytest.raises(EngineError):
+        _streamed(eng, engine_retries=1)
+    assert len(eng.calls) == 2  # the first try and 1 retry
+    eng = _StreamingEngine([([], None, EngineError(400, "engine rejected the request", code="engine_rejected"))])
+    with pytest.raises(EngineError):
+        _streamed(eng, engine_retries=5)
+    assert len(eng.calls) == 1  # the client's fault: never sent again
+    # out of continuations: the abort ends the stream and is shown
+    eng = _StreamingEngine([([5, 6], "abort", None)])
+    events = _streamed(eng, max_continuations=0)
+    assert len(eng.calls) == 1 and events[-1].meta_info.finish_reason.type == "abort"
+    # the session aborted it: the engine's abort is its final event, nothing goes on
+    eng = _StreamingEngine([([5, 6], "abort", None)])
+    events = _streamed(eng, max_continuations=3, aborted=lambda r: True)
+    assert eng.calls == [] and events[-1].meta_info.finish_reason.type == "abort"  # aborted before it was sent
+    eng = _StreamingEngine([([5, 6], "abort", None)])
+    calls = eng.calls
+    events = _streamed(eng, max_continuations=3, aborted=lambda r: len(calls) > 0)
+    assert len(eng.calls) == 1 and events[-1].output_ids == [5, 6] and events[-1].meta_info.finish_reason.type == "abort"

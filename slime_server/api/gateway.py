@@ -16,6 +16,7 @@ from slime_server.api.engine_client import EngineClient
 from slime_server.api.errors import APIError
 from slime_server.api.pacing import Pacer
 from slime_server.api.partial import (
+    ENGINE_RETRIES,
     InflightRegistry,
     abort_everywhere,
     abort_resending,
@@ -125,21 +126,32 @@ class Gateway:
 
     async def generate_stream(self, session_id: str, rid: str, input_ids: list[int], params: dict[str, Any],
                               **kw: Any) -> AsyncIterator[GenerateOutput]:
-        """Engine streams for a recorded streamed turn, abortable per session as ``generate`` is: every sample's
-        rid is registered with the session before it is sent (``partial.stream_samples``)."""
-        rids = sample_rids(rid, int(params.get("n") or 1))
-        for r in rids:
+        """Engine streams for a recorded streamed turn, abortable per session and continued after an engine-side
+        abort or an engine failure as ``generate`` is (``partial.stream_samples``): every engine rid is
+        registered with the session before it is sent."""
+        registered = list(sample_rids(rid, int(params.get("n") or 1)))
+        for r in registered:
             self.inflight.add(session_id, r)
+
+        def register(engine_rid: str) -> None:
+            registered.append(engine_rid)
+            self.inflight.add(session_id, engine_rid)
+
+        def counted(kind: str) -> None:
+            (PARTIAL_CONTINUATIONS if kind == "continuation" else ENGINE_RETRIES).inc()
 
         async def abort(rids: list[str]) -> int:
             return await abort_everywhere(self.engine.base_url, rids, self.engine.http)
 
         try:
             async for out in stream_samples(self.engine.generate_stream, input_ids, params, rid,
-                                            aborted=self.inflight.aborted, abort=abort, **kw):
+                                            aborted=self.inflight.aborted, abort=abort, register=register,
+                                            max_continuations=self.settings.max_continuations,
+                                            engine_retries=self.settings.engine_retries,
+                                            token_bytes=self.renderer.token_bytes, on_continue=counted, **kw):
                 yield out
         finally:
-            for r in rids:
+            for r in registered:
                 self.inflight.done(session_id, r)
 
     async def abort_session(self, session_id: str) -> dict[str, int]:

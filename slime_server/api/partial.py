@@ -11,8 +11,9 @@ Engine failures. An engine that dies (kill -9, OOM) or cannot be reached takes i
 with it: the router answers 502/503, or the connection drops. Nothing of a non-streamed answer has
 reached the client yet, so the gateway sends the generation again (a fresh rid, after a short
 backoff) and the router routes it to a live engine; after a continuation, only the lost part is
-generated again. ``engine_retries`` bounds it; a request the engine itself refused (400) is never
-retried.
+generated again. A streamed answer goes on from the tokens the client already has, as after an
+engine-side abort (``stream_samples``). ``engine_retries`` bounds it; a request the engine itself
+refused (400) is never retried.
 
 Surplus aborts. An environment or runner that over-sampled (more rollouts than the group needs)
 calls ``POST /v1/sessions/{id}/abort``: every generation in flight for that session is aborted on
@@ -283,32 +284,99 @@ StreamOne = Callable[..., AsyncIterator[GenerateOutput]]
 
 async def stream_samples(stream: StreamOne, input_ids: list[int], params: dict[str, Any], rid: str, *,
                          aborted: Callable[[str], bool], abort: Callable[[list[str]], Awaitable[Any]],
-                         interval: float = ABORT_RESEND_S, **kw: Any) -> AsyncIterator[GenerateOutput]:
-    """A streamed request's samples as engine streams of their own, merged: what ``generate_continuing`` does
-    for a non-streamed one, so a session abort reaches streams too. Every sample is one engine stream (n > 1:
-    rid ``{rid}_{i}``, seed + i; ``sample_rids``), its events tagged with the sample's ``index``. A sample
-    aborted before it is sent is not sent; while an aborted sample still streams, its abort is sent again every
-    ``interval`` seconds (an abort that reached the engine before the request stopped nothing). The caller
-    registers ``sample_rids(rid, n)`` before iterating. Not continued after an engine-side abort: the client
-    already has the text so far."""
+                         register: Callable[[str], None] | None = None, max_continuations: int = 0,
+                         engine_retries: int = 0, token_bytes: Callable[[int], bytes] | None = None,
+                         on_continue: Callable[[str], None] | None = None, interval: float = ABORT_RESEND_S,
+                         **kw: Any) -> AsyncIterator[GenerateOutput]:
+    """A streamed request's samples as engine streams of their own, merged, continued as ``generate_continuing``
+    continues a non-streamed one; events are cumulative (SGLang's: text and tokens so far), tagged with the
+    sample's ``index`` when n > 1.
+
+    - Every sample is one engine stream (n > 1: rid ``{rid}_{i}``, seed + i; ``sample_rids``); the caller
+      registers ``sample_rids(rid, n)`` before iterating, and ``register`` gets every further rid before it is
+      sent (``{sample rid}-cont{k}``, ``-retry{k}``), so a session abort reaches it.
+    - An engine-side abort (weight update in ``abort`` mode, engine restart) is not shown: the sample goes on
+      from prompt + its tokens so far (up to ``max_continuations`` times), and the client's stream carries on
+      where it was, the spliced answer's tokens, logprobs and versions as one (``splice``).
+    - An engine that fails mid-stream (died: 502/503, the connection dropped, a stream that ended without its
+      final event) is the same: the sample goes on from the tokens the client has, on a live engine (up to
+      ``engine_retries`` times); before its first token this is the plain resend of a non-streamed call.
+    - A sample the session aborted is not sent or continued; while it still streams, its abort is sent again
+      every ``interval`` seconds (an abort that reached the engine before the request stopped nothing).
+
+    ``on_continue(kind)`` counts each "continuation" and "retry"."""
     n = int(params.get("n") or 1)
     rids = sample_rids(rid, n)
+    current = list(rids)  # each sample's engine rid now streaming (the one an abort must reach)
     queue: asyncio.Queue[tuple[int, GenerateOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, r: str) -> None:
+    def next_rid(i: int, kind: str, k: int) -> str:
+        current[i] = f"{rids[i]}-{kind}{k}"
+        if register is not None:
+            register(current[i])
+        if on_continue is not None:
+            on_continue("continuation" if kind == "cont" else "retry")
+        return current[i]
+
+    async def pump(i: int) -> None:
+        r = rids[i]
         try:
             if aborted(r):
                 await queue.put((i, _aborted_before_sending(r, len(input_ids))))
                 return
-            sample_params = _shift_seed({**params, "n": 1}, i) if n > 1 else params
-            async for out in stream(input_ids, sample_params, rid=r, **kw):
-                await queue.put((i, out))
+            sample = _shift_seed({**params, "n": 1}, i) if n > 1 else dict(params)
+            budget = sample.get("max_new_tokens")
+            so_far: GenerateOutput | None = None  # what the client has of this sample (cumulative)
+            continued = tries = 0
+            while True:
+                if so_far is None:
+                    prompt, call = input_ids, sample
+                else:  # a fresh but reproducible stream for the rest, as generate_continuing's
+                    prompt, call = input_ids + so_far.output_ids, _shift_seed(dict(sample), len(so_far.output_ids))
+                    if budget is not None:
+                        call["max_new_tokens"] = budget - len(so_far.output_ids)
+                last: GenerateOutput | None = None
+                failure: EngineError | None = None
+                try:
+                    async for out in stream(prompt, call, rid=current[i], **kw):
+                        last = out if so_far is None else splice(so_far, out, token_bytes)
+                        if not _is_abort(out):
+                            await queue.put((i, last))
+                except EngineError as e:
+                    failure = e
+                if failure is None and last is not None and last.meta_info.finish_reason is None:
+                    failure = EngineError(502, "the engine stream ended before its final event",
+                                          code="engine_error")
+                if failure is not None:  # the engine failed: go on from what the client has
+                    if failure.status not in (502, 503) or tries >= engine_retries or aborted(r):
+                        raise failure
+                    log.warning("engine stream %s failed (%s); going on from %d tokens", current[i], failure,
+                                len((last or so_far).output_ids) if (last or so_far) else 0)
+                    so_far = last if last is not None else so_far
+                    await asyncio.sleep(RETRY_BACKOFF_S[min(tries, len(RETRY_BACKOFF_S) - 1)])
+                    tries += 1
+                    next_rid(i, "retry", tries)
+                    continue
+                if last is None:  # [DONE] with no event: nothing to show (the consumer reports it)
+                    return
+                if not _is_abort(last):
+                    return
+                if (continued >= max_continuations or aborted(r)
+                        or (budget is not None and len(last.output_ids) >= budget)):
+                    await queue.put((i, last))  # ours, or out of continuations: the turn ends here
+                    return
+                so_far = last
+                next_rid(i, "cont", continued)
+                continued += 1
+                if aborted(r):  # the abort came while we registered: do not send
+                    await queue.put((i, so_far))
+                    return
         except Exception as e:  # noqa: BLE001  (handed to the consumer, which raises it)
             await queue.put((i, e))
         finally:
             await queue.put((i, None))
 
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(rids)]
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(n)]
     running = set(range(n))
     loop = asyncio.get_running_loop()
     next_resend = loop.time() + interval
@@ -319,7 +387,7 @@ async def stream_samples(stream: StreamOne, input_ids: list[int], params: dict[s
             except TimeoutError:
                 i, item = -1, None
             if loop.time() >= next_resend:
-                again = [rids[k] for k in running if aborted(rids[k])]
+                again = [current[k] for k in running if aborted(rids[k])]
                 if again:
                     try:
                         await abort(again)

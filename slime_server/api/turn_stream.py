@@ -9,15 +9,12 @@ final ``StreamEnd`` (so every API's final event follows the commit).
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from slime_server.api.engine_client import EngineError
 from slime_server.api.gateway import Gateway
-from slime_server.api.partial import ENGINE_RETRIES, RETRY_BACKOFF_S
 from slime_server.api.protocol import ChoiceLogprobs, DeltaMessage
 from slime_server.api.token_text import streamable
 from slime_server.api.turn import ChatTurn, TurnResult, answer_text, build_message, token_logprobs
@@ -126,27 +123,18 @@ async def turn_events(gw: Gateway, turn: ChatTurn, call: dict[str, Any], *,
     Raises ``APIError`` (engine failure, store failure) for the caller to render in its API's format.
     """
     n = turn.req.n
-    for attempt in itertools.count():
-        states = [ChoiceStream(gw, turn) for _ in range(n)]
-        sent = False
-        try:
-            rid = turn.response_id if attempt == 0 else f"{turn.response_id}-retry{attempt}"  # rids are unique
-            async for out in gw.generate_stream(turn.prepared.session_id, rid, call["input_ids"],
-                                                call["sampling_params"], return_logprob=True,
-                                                top_logprobs_num=call["top_logprobs_num"]):
-                i = out.index or 0
-                if not 0 <= i < n:
-                    continue
-                delta, lp = states[i].step(out, with_logprobs)
-                if has_text(delta, lp):
-                    sent = True
-                    yield StreamDelta(index=i, delta=delta, logprobs=lp)
-            break
-        except EngineError as e:  # the engine failed before anything left: send it again (api/partial.py)
-            if sent or e.status not in (502, 503) or attempt >= gw.settings.engine_retries:
-                raise
-            await asyncio.sleep(RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)])
-            ENGINE_RETRIES.inc()
+    states = [ChoiceStream(gw, turn) for _ in range(n)]
+    # an engine that fails or aborts mid-stream is continued inside (api/partial.py): the client's stream
+    # carries on where it was; an error reaches here only when the retries are spent or it is the client's
+    async for out in gw.generate_stream(turn.prepared.session_id, turn.response_id, call["input_ids"],
+                                        call["sampling_params"], return_logprob=True,
+                                        top_logprobs_num=call["top_logprobs_num"]):
+        i = out.index or 0
+        if not 0 <= i < n:
+            continue
+        delta, lp = states[i].step(out, with_logprobs)
+        if has_text(delta, lp):
+            yield StreamDelta(index=i, delta=delta, logprobs=lp)
     if any(s.last is None for s in states):
         raise EngineError(502, "the engine stream ended without a result for every choice", code="bad_engine_response")
     finals = [s.finish() for s in states]
