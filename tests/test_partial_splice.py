@@ -276,6 +276,9 @@ def test_a_stream_goes_on_after_an_engine_abort_and_after_its_engine_died(monkey
     assert [c["input_ids"] for c in eng.calls] == [PROMPT, PROMPT + [5, 6, 7], PROMPT + [5, 6, 7, 8]]
     assert events[-1].output_ids == [5, 6, 7, 8, 9, 10] and events[-1].meta_info.finish_reason.type == "length"
     assert len(events[-1].meta_info.output_token_logprobs) == 6
+    # a stream that ends with no event at all ([DONE] at once) is a failure too: sent again
+    eng = _StreamingEngine([([], None, None), ([5, 6, 7, 8, 9, 10], "length", None)])
+    assert _streamed(eng, engine_retries=1)[-1].output_ids == [5, 6, 7, 8, 9, 10] and len(eng.calls) == 2
 
 
 def test_a_stream_stops_going_on_at_the_budget_a_refusal_or_a_session_abort(monkeypatch) -> None:

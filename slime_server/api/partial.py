@@ -344,7 +344,7 @@ async def stream_samples(stream: StreamOne, input_ids: list[int], params: dict[s
                             await queue.put((i, last))
                 except EngineError as e:
                     failure = e
-                if failure is None and last is not None and last.meta_info.finish_reason is None:
+                if failure is None and (last is None or last.meta_info.finish_reason is None):
                     failure = EngineError(502, "the engine stream ended before its final event",
                                           code="engine_error")
                 if failure is not None:  # the engine failed: go on from what the client has
@@ -357,8 +357,7 @@ async def stream_samples(stream: StreamOne, input_ids: list[int], params: dict[s
                     tries += 1
                     next_rid(i, "retry", tries)
                     continue
-                if last is None:  # [DONE] with no event: nothing to show (the consumer reports it)
-                    return
+                assert last is not None  # a stream without a final event is a failure (above)
                 if not _is_abort(last):
                     return
                 if (continued >= max_continuations or aborted(r)
