@@ -62,6 +62,34 @@ def test_rejection_sampling_trains_only_what_passes(store, tmp_path: Path) -> No
     assert lp.step_once() is None and lp.state.step == 1 and lp.state.rejected == 10
 
 
+def test_kept_samples_count_once_they_have_trained(store, tmp_path: Path) -> None:
+    """A step that fails (a rank died mid-step) is redone with the same batch: its groups are still whole (the
+    rejected samples are dropped only once the step has trained) and its kept samples count once."""
+    lp, trainer, events = make_loop(store, tmp_path, supervised=True, rejection=Rejection(threshold=1.0),
+                                    settings={"batch_size": 3, "n_samples_per_prompt": 3})
+    a = [add(store, f"a{i}", group="A", reward=r) for i, r in enumerate((1.0, 0.0, 1.0))]
+    calls = {"n": 0}
+    train = trainer.train_step
+
+    def failing_once(samples, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("rank died")
+        return train(samples, **kw)
+
+    trainer.train_step = failing_once
+    with pytest.raises(RuntimeError):
+        lp.step_once()
+    assert (lp.state.kept, lp.state.rejected, lp.state.step) == (0, 0, 0)
+    assert [store.get_trajectory(t).consumed_step for t in a] == [None, None, None]
+    metrics = lp.step_once()  # the same two samples, trained now
+    assert metrics is not None and [s.sample_id for s in trainer.batches[0]] == [a[0], a[2]]
+    assert (lp.state.kept, lp.state.rejected) == (2, 1) and (metrics["kept"], metrics["rejected"]) == (2, 1)
+    assert [d for k, d in events if k == "rejection"] == [{"kept": 2, "rejected": 1, "total_kept": 2,
+                                                            "total_rejected": 1}]
+    assert [store.get_trajectory(t).consumed_step for t in a] == [1, DROPPED_STEP, 1]
+
+
 def test_best_of_n_keeps_each_groups_best_if_it_passes() -> None:
     from slime_server.buffer.schema import Trajectory as T
 

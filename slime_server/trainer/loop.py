@@ -159,6 +159,7 @@ class Batch(BaseModel):
     samples: list[TrainSample]
     lags: list[int]
     consume: list[str] = Field(default_factory=list)
+    rejected: list[str] = Field(default_factory=list)  # rejection sampling: trajectories the step leaves out
 
 
 class BatchSource(Protocol):
@@ -349,20 +350,28 @@ class TrainLoop:
             return None
         self.state.waiting = None
         chosen, lags = sel.chosen, sel.lags
+        rejected: list[str] = []
         if self.rejection is not None:
             kept = set(self.rejection.keep_ids(chosen))
             rejected = [t.id for t in chosen if t.id not in kept]
-            if rejected:
-                self.store.mark_consumed(rejected, DROPPED_STEP, self.job_id)
-                self.state.rejected += len(rejected)
-            self.state.kept += len(kept)
-            self.on_event("rejection", {"kept": len(kept), "rejected": len(rejected), "total_kept": self.state.kept,
-                                        "total_rejected": self.state.rejected})
             lags = [lag for t, lag in zip(chosen, lags, strict=True) if t.id in kept]
             chosen = [t for t in chosen if t.id in kept]
-            if not chosen:
+            if not chosen:  # no step: the whole batch is dropped (stored, never trained) now
+                self._reject([], rejected)
                 return None
-        return Batch(samples=[to_train_sample(t) for t in chosen], lags=lags, consume=[t.id for t in chosen])
+        return Batch(samples=[to_train_sample(t) for t in chosen], lags=lags, consume=[t.id for t in chosen],
+                     rejected=rejected)
+
+    def _reject(self, kept: list[str], rejected: list[str]) -> None:
+        """Rejection sampling's bookkeeping, once a batch's kept samples have trained (or none passed): the
+        rejected ones are dropped then, not at selection, so a step that fails and is redone finds its
+        groups whole and counts its samples once."""
+        if rejected:
+            self.store.mark_consumed(rejected, DROPPED_STEP, self.job_id)
+        self.state.kept += len(kept)
+        self.state.rejected += len(rejected)
+        self.on_event("rejection", {"kept": len(kept), "rejected": len(rejected), "total_kept": self.state.kept,
+                                    "total_rejected": self.state.rejected})
 
     def next_batch(self) -> Batch | None:
         """This step's batch: from the job's source (its step-th batch) or from the buffer."""
@@ -435,6 +444,8 @@ class TrainLoop:
                     if batch.consume:
                         self.store.mark_consumed(batch.consume, self.state.step + 1, self.job_id)
                     self.state.step += 1
+                    if self.rejection is not None:
+                        self._reject(batch.consume, batch.rejected)
                     self.state.version += 1
                     push: dict[str, Any] | None = None
                     if self.state.step % s.update_weights_interval == 0:
