@@ -276,6 +276,11 @@ def test_a_stream_goes_on_after_an_engine_abort_and_after_its_engine_died(monkey
     assert [c["input_ids"] for c in eng.calls] == [PROMPT, PROMPT + [5, 6, 7], PROMPT + [5, 6, 7, 8]]
     assert events[-1].output_ids == [5, 6, 7, 8, 9, 10] and events[-1].meta_info.finish_reason.type == "length"
     assert len(events[-1].meta_info.output_token_logprobs) == 6
+    # cut after its last token, before the final event: finished at its length, nothing asked for again
+    eng = _StreamingEngine([([5, 6, 7, 8, 9, 10], None, dead)])
+    last = _streamed(eng, engine_retries=3)[-1]
+    assert len(eng.calls) == 1 and last.output_ids == [5, 6, 7, 8, 9, 10]
+    assert last.meta_info.finish_reason == FinishReason(type="length", length=6)
     # a stream that ends with no event at all ([DONE] at once) is a failure too: sent again
     eng = _StreamingEngine([([], None, None), ([5, 6, 7, 8, 9, 10], "length", None)])
     assert _streamed(eng, engine_retries=1)[-1].output_ids == [5, 6, 7, 8, 9, 10] and len(eng.calls) == 2

@@ -350,6 +350,12 @@ async def stream_samples(stream: StreamOne, input_ids: list[int], params: dict[s
                 if failure is not None:  # the engine failed: go on from what the client has
                     if failure.status not in (502, 503) or tries >= engine_retries or aborted(r):
                         raise failure
+                    if last is not None and budget is not None and len(last.output_ids) >= budget:
+                        # cut after its last token, before the final event: nothing is left to generate
+                        done = FinishReason(type="length", length=budget)
+                        await queue.put((i, last.model_copy(update={"meta_info": last.meta_info.model_copy(
+                            update={"finish_reason": done})})))
+                        return
                     log.warning("engine stream %s failed (%s); going on from %d tokens", current[i], failure,
                                 len((last or so_far).output_ids) if (last or so_far) else 0)
                     so_far = last if last is not None else so_far
