@@ -267,6 +267,11 @@ def _stop_actor(actor: Any) -> None:
         pass
 
 
+def rank_registry(trainer: TrainerSettings) -> Path:
+    """Where running trainer ranks are recorded (``utils/shm.record_ranks``): under the jobs' work dir."""
+    return Path(trainer.work_dir) / ".ranks"
+
+
 def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer: Any, loss: dict[str, Any],
                         temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
                         engine_api_key: str | None = None, reference: bool = False, critic: Any = None,
@@ -290,7 +295,8 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
         reference=reference, reference_path=reference_path, critic=critic)
     group = TrainerGroup(rank_settings, trainer.num_ranks,
                          num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,
-                         num_gpus_per_rank=trainer.num_gpus_per_rank, resources=trainer.ray_resources)
+                         num_gpus_per_rank=trainer.num_gpus_per_rank, resources=trainer.ray_resources,
+                         registry=rank_registry(trainer))
     try:
         group.setup()
     except BaseException:

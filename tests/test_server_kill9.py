@@ -1,7 +1,7 @@
 """The whole server killed with ``kill -9`` under traffic, mid-job (issues 9 and 17): on restart every
 turn and reward it answered is in the store exactly as the client saw it (bytes, log-probs, reward
-values; multi-turn sessions), a turn nobody saw answered is complete or absent, and the job resumes
-from its last checkpoint.
+values; multi-turn sessions), a turn nobody saw answered is complete or absent, the job resumes
+from its last checkpoint, and the killed trainer ranks' weight buckets no longer hold RAM.
 
 `slime-server serve` runs as a real subprocess in its own process group (engines, router, Ray,
 trainer ranks, gateway); SIGKILL to the group is the crash. Nothing is flushed on the way down.
@@ -28,6 +28,7 @@ import pytest
 from openai import OpenAI
 
 from slime_server.utils.net import find_free_port
+from slime_server.utils.shm import torch_shm_files
 from tests._cli_helpers import CLI, output_lines, wait_for
 from tests._jobs_helpers import ADMIN, AGENT, create_job, drive, wait_event, wait_job
 from tests._rollout_helpers import pid_alive, proc_tree
@@ -53,6 +54,13 @@ def _serve(model: Path, work: Path, port: int) -> tuple[subprocess.Popen, Simple
             assert time.monotonic() < deadline
             time.sleep(0.2)
     return proc, SimpleNamespace(base_url=base_url, deployment=SimpleNamespace(model_path=str(model)))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return ""
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -167,15 +175,27 @@ def test_server_kill_9_under_traffic_loses_nothing_and_the_job_resumes(tiny_mode
         for a in agents:
             a.start()
         j = wait_job(server, j["id"], lambda x: x["step"] >= 3)
-        assert j["checkpoints"][-1]["step"] == 2
+        checkpointed = j["checkpoints"][-1]["step"]  # 2, or 4 when the job ran two steps between polls
+        assert checkpointed >= 2
         assert all(a.is_alive() for a in agents)  # every agent is mid-episode at the kill
     finally:
         _kill_group(proc)
     for a in agents:
         a.join(timeout=60)
     assert not any(a.is_alive() for a in agents)
+    # the killed ranks' weight buckets are still in /dev/shm (Ray's kill took torch's manager too); the server
+    # recorded its ranks, and the next one on this host removes what they left
+    registry = tmp_path / "jobs" / ".ranks"
+    dead = {int(m.rpartition("@")[2]) for m in os.listdir(registry)}
+    deadline = time.monotonic() + 30
+    while alive := [(pid, _cmdline(pid)) for pid in dead if pid_alive(pid)]:  # SIGKILL lands asynchronously
+        assert time.monotonic() < deadline, alive
+        time.sleep(0.1)
+    assert dead and any(torch_shm_files().get(pid) for pid in dead)
 
     proc, server = _serve(tiny_model_path, tmp_path, port)
+    assert not any(torch_shm_files().get(pid) for pid in dead)
+    assert not {int(m.rpartition("@")[2]) for m in os.listdir(registry)} & dead
     try:
         with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60) as c:
             unseen = _check_store(c, seen, AutoTokenizer.from_pretrained(tiny_model_path))
@@ -185,9 +205,10 @@ def test_server_kill_9_under_traffic_loses_nothing_and_the_job_resumes(tiny_mode
               f"rewards; {unseen} stored turns were never answered (committed, then the kill)")
         assert len(seen.rewards) >= 4 and multi >= 8
         resumed = wait_event(server, j["id"], "resumed")["data"]
-        assert resumed["from_step"] == 2
+        # the last checkpoint before the kill (the job may have taken another one between the poll and the kill)
+        assert resumed["from_step"] >= checkpointed and resumed["from_step"] % 2 == 0
         drive(server, 4)
-        done = wait_job(server, j["id"], lambda x: x["step"] >= 4 and x["status"] == "running")
+        done = wait_job(server, j["id"], lambda x: x["step"] > resumed["from_step"] and x["status"] == "running")
         assert done["policy_version"] > j["policy_version"]
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -73,3 +73,30 @@ def test_reaping_waits_for_a_kill_to_take_effect() -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+def test_recorded_ranks_of_a_killed_server_are_reaped_by_the_next_one(tmp_path: Path) -> None:
+    """``record_ranks`` markers (``<host>@<pid>``): the next server on the host removes the buckets of recorded
+    pids that are dead, and their markers; a live rank and another host's ranks are left alone."""
+    import socket
+
+    from slime_server.utils.shm import forget_ranks, reap_recorded, record_ranks
+
+    host = socket.gethostname()
+    dead, live = _start_child(), _start_child()
+    registry = tmp_path / ".ranks"
+    try:
+        record_ranks(registry, [(host, dead.pid), (host, live.pid), ("elsewhere", dead.pid)])
+        os.killpg(dead.pid, signal.SIGKILL)
+        dead.wait(30)
+        assert len(_files(dead.pid)) == 2
+        assert reap_recorded(registry)[0] == 2
+        assert _files(dead.pid) == [] and len(_files(live.pid)) == 2
+        assert sorted(os.listdir(registry)) == sorted([f"{host}@{live.pid}", f"elsewhere@{dead.pid}"])
+        forget_ranks(registry, [(host, live.pid)])  # a clean shutdown forgets its ranks
+        assert os.listdir(registry) == [f"elsewhere@{dead.pid}"]
+    finally:
+        for p in (dead, live):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(30)

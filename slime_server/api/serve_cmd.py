@@ -55,9 +55,14 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     from slime_server.buffer.open import open_job_store
     from slime_server.jobs.manager import JobManager
     from slime_server.jobs.spec import JobSpec
-    from slime_server.launch import start_trainer_group
+    from slime_server.launch import rank_registry, start_trainer_group
+    from slime_server.utils.shm import reap_recorded
 
     tr = settings.trainer
+    removed, freed = reap_recorded(rank_registry(tr))  # ranks of a server that was killed: their buckets
+    if removed:
+        print(f"removed {removed} shared-memory files ({freed / 1e6:.0f} MB) of trainer ranks that died with an "
+              "earlier server", flush=True)
 
     def make_trainer(spec: JobSpec) -> Any:
         # the policy's log-probs at its sampling temperature (RL); SFT's NLL is the model's own distribution's

@@ -261,7 +261,8 @@ class TrainerGroup:
     """``world_size`` TrainerRank Ray actors forming one TP x DP group; calls fan out to all ranks."""
 
     def __init__(self, settings: TrainerRankSettings, world_size: int, *, num_cpus_per_rank: float = 1.0,
-                 num_gpus_per_rank: float = 0.0, resources: dict[str, float] | None = None) -> None:
+                 num_gpus_per_rank: float = 0.0, resources: dict[str, float] | None = None,
+                 registry: str | Path | None = None) -> None:
         import ray
 
         if world_size % (settings.tp_size * settings.pp_size):
@@ -272,6 +273,10 @@ class TrainerGroup:
         self.world_size = world_size
         self.actors = [remote_cls.remote(settings) for _ in range(world_size)]
         self._ranks: list[tuple[str, int]] = []  # (node id, pid) of every rank, once set up: shutdown reaps them
+        # where the ranks are recorded while they run (utils/shm.record_ranks): a server killed before it could
+        # shut them down leaves their buckets in /dev/shm, and the next one on the host removes them
+        self.registry = Path(registry) if registry is not None else None
+        self._hosts: list[tuple[str, int]] = []
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray
@@ -284,6 +289,12 @@ class TrainerGroup:
 
         ip, port = ray.get(self.actors[0].open_rendezvous.remote(self.world_size))
         self._ranks = list(zip(self.node_ids(), self.pids(), strict=True))
+        if self.registry is not None:
+            from slime_server.utils.shm import record_ranks
+
+            host_of = {n["NodeID"]: n.get("NodeManagerHostname", "") for n in ray.nodes()}
+            self._hosts = [(host_of.get(node, ""), pid) for node, pid in self._ranks]
+            record_ranks(self.registry, self._hosts)
         return ray.get([
             a.setup.remote(RendezvousInfo(rank=r, world_size=self.world_size, master_addr=ip, master_port=port))
             for r, a in enumerate(self.actors)
@@ -373,5 +384,9 @@ class TrainerGroup:
             removed, freed = removed + n, freed + b
         if removed:
             log.info("removed %d shared-memory files (%.1f MB) of dead trainer ranks", removed, freed / 1e6)
-        self._ranks = []
+        if self.registry is not None:
+            from slime_server.utils.shm import forget_ranks
+
+            forget_ranks(self.registry, self._hosts)
+        self._ranks, self._hosts = [], []
         return removed, freed

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 SHM_ROOT = "/dev/shm"
 _TORCH_SHM = re.compile(r"^torch_(\d+)_")
@@ -72,3 +74,42 @@ def reap_all_dead(root: str = SHM_ROOT) -> tuple[int, int]:
     such as the test suite's: it cannot tell whose files they were)."""
     files = torch_shm_files(root)
     return _unlink(root, [n for pid, names in files.items() if not pid_alive(pid) for n in names])
+
+
+# ---------------------------------------------------------------- ranks that died with their server
+
+def _marker(host: str, pid: int) -> str:
+    return f"{host}@{pid}"
+
+
+def record_ranks(registry: Path, ranks: Iterable[tuple[str, int]]) -> None:
+    """One marker file per rank process (``<host>@<pid>``) under ``registry`` while it runs. Why: a server
+    killed with ``kill -9`` never shuts its ranks down, Ray kills them, and their buckets stay in /dev/shm;
+    the next server on that host (``reap_recorded``) can tell those files apart from anyone else's."""
+    registry.mkdir(parents=True, exist_ok=True)
+    for host, pid in ranks:
+        (registry / _marker(host, pid)).touch()
+
+
+def forget_ranks(registry: Path, ranks: Iterable[tuple[str, int]]) -> None:
+    for host, pid in ranks:
+        (registry / _marker(host, pid)).unlink(missing_ok=True)
+
+
+def reap_recorded(registry: Path, host: str | None = None, root: str = SHM_ROOT) -> tuple[int, int]:
+    """Remove the buckets of the recorded ranks on this host whose process is gone, and their markers; a rank
+    still alive keeps both; (files, bytes) removed."""
+    host = host or socket.gethostname()
+    removed = freed = 0
+    try:
+        markers = [m for m in os.listdir(registry) if m.rpartition("@")[0] == host]
+    except OSError:
+        return 0, 0
+    for m in markers:
+        pid_text = m.rpartition("@")[2]
+        if not pid_text.isdigit() or pid_alive(int(pid_text)):
+            continue
+        n, b = reap_dead_pids([int(pid_text)], root=root)
+        removed, freed = removed + n, freed + b
+        (registry / m).unlink(missing_ok=True)
+    return removed, freed
