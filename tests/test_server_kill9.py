@@ -194,9 +194,9 @@ def test_server_kill_9_under_traffic_loses_nothing_and_the_job_resumes(tiny_mode
     assert dead and any(torch_shm_files().get(pid) for pid in dead)
 
     proc, server = _serve(tiny_model_path, tmp_path, port)
-    assert not any(torch_shm_files().get(pid) for pid in dead)
-    assert not {int(m.rpartition("@")[2]) for m in os.listdir(registry)} & dead
     try:
+        assert not any(torch_shm_files().get(pid) for pid in dead)
+        assert not {int(m.rpartition("@")[2]) for m in os.listdir(registry)} & dead
         with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60) as c:
             unseen = _check_store(c, seen, AutoTokenizer.from_pretrained(tiny_model_path))
         n_turns = sum(len(t) for t in seen.turns.values())
