@@ -226,3 +226,36 @@ def test_a_port_taken_before_an_engine_binds_it_is_chosen_again(tiny_model_path:
         with pytest.raises(RuntimeError, match="exited"):
             fixed.start()
         assert fixed.port == taken
+
+
+def test_a_server_that_took_the_routers_port_is_not_taken_for_the_router(tmp_path: Path) -> None:
+    """The router's own port is taken by another HTTP server that answers 2xx (an engine's ``/health`` does, seen
+    once in CI): the router dies of "Address already in use" while that server answers; start() must not count
+    that as ready, and picks another port."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Healthy(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            if self.path == "/health":
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"ok")
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    r = RouterProcess(RouterSettings(), log_path=tmp_path / "router.log")
+    squatter = ThreadingHTTPServer((r.settings.host, r.port), Healthy)
+    taken = r.port
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        r.start()
+        assert r.port != taken and r.list_workers() == []  # the real router, on a port of its own
+        assert "Address already in use" in (tmp_path / "router.log").read_text()  # the first try did fail
+    finally:
+        r.stop()
+        squatter.shutdown()
+        squatter.server_close()

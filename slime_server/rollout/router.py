@@ -158,8 +158,16 @@ class RouterProcess:
                 self.port = find_free_port(self.settings.host)
             return True
 
-        start_retrying(launch, lambda: wait_http_ok(f"{self.url}/health", timeout=self.settings.startup_timeout_s,
-                                                    proc=self._proc), self.stop, again)
+        def ready() -> None:
+            # /workers, not /health: when another server took our port first, its /health may answer 2xx while
+            # our router dies of "Address already in use" (seen once in CI: an engine's port); engines and
+            # gateways have no /workers, so only a router answers it
+            wait_http_ok(f"{self.url}/workers", timeout=self.settings.startup_timeout_s, proc=self._proc,
+                         headers=auth_headers(self.api_key))
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"router exited with code {self._proc.returncode} once ready")
+
+        start_retrying(launch, ready, self.stop, again)
         return self
 
     def is_alive(self) -> bool:

@@ -17,7 +17,8 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http_ok(url: str, timeout: float = 60.0, interval: float = 0.1, proc=None) -> None:
+def wait_http_ok(url: str, timeout: float = 60.0, interval: float = 0.1, proc=None,
+                 headers: dict[str, str] | None = None) -> None:
     """Poll ``url`` until it answers 2xx; raise TimeoutError (or RuntimeError if ``proc`` died)."""
     deadline = time.monotonic() + timeout
     last: str = ""
@@ -25,7 +26,7 @@ def wait_http_ok(url: str, timeout: float = 60.0, interval: float = 0.1, proc=No
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with code {proc.returncode} before {url} was ready")
         try:
-            r = httpx.get(url, timeout=2.0)
+            r = httpx.get(url, timeout=2.0, headers=headers)
             if r.status_code < 300:
                 return
             last = f"HTTP {r.status_code}"
