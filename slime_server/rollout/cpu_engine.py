@@ -45,6 +45,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field
 
+from slime_server.rollout.engine_model import load_engine_model
 from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM, Sequence
 from slime_server.rollout.hf_forward import hf_decode, hf_prefill
 from slime_server.rollout.lean_forward import LeanForward
@@ -94,21 +95,24 @@ class CPUEngine:
     """Owns the model and the scheduler thread; thread-safe entry points for everything else."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.config = config
         torch.set_num_threads(config.num_threads)
-        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype))
-        self.model.eval()
+        loaded = load_engine_model(config.model_path, getattr(torch, config.dtype), lean=config.forward == "lean")
+        self.model = loaded.hf_model  # HF's model only where the lean forward does not serve (forward: hf)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        mc = self.model.config
+        mc = loaded.config
         self.vocab_size: int = int(mc.vocab_size)
         self.context_length: int = config.context_length or int(getattr(mc, "max_position_embeddings", 4096))
         self.max_total_tokens: int = config.max_total_tokens or self.context_length * config.max_running_requests
-        self.eos_ids: set[int] = self._eos_ids()
+        self.eos_ids: set[int] = set(loaded.eos_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self.weight_version: str = config.weight_version
-        self._params: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
-        self.lean = LeanForward(self.model) if config.forward == "lean" and LeanForward.supports(self.model) else None
+        self._params: dict[str, torch.Tensor] = loaded.params
+        self.lean = LeanForward(mc, self._params, loaded.rope) if loaded.rope is not None else None
+        self.weight_bytes = loaded.weight_bytes
         budget = int(config.prefix_cache_mb * 2**20 / self.lean.kv_bytes_per_token) if self.lean else 0
         self.prefix_cache = PrefixCache(budget) if budget > 0 else None
         self._rng = random.Random(config.seed)
@@ -124,15 +128,6 @@ class CPUEngine:
         self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0, "finished": 0}
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
         self._thread.start()
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.model.config, getattr(self.model, "generation_config", None)):
-            e = getattr(src, "eos_token_id", None)
-            ids.update([e] if isinstance(e, int) else (e or []))
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return ids
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs_num: int = 0,

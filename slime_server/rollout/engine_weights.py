@@ -64,7 +64,7 @@ class WeightUpdates:
         self.groups: dict[str, Any] = {}
         self._lock = threading.Lock()
         # keep the trainer's bucket files mapped between pushes: twice the model's bytes at most
-        SHM_MAPPINGS.cap = 2 * sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        SHM_MAPPINGS.cap = 2 * engine.weight_bytes
 
     def init_group(self, req: InitWeightsUpdateGroupReqInput) -> str:
         if req.backend != "gloo":

@@ -1,4 +1,4 @@
-"""A lean forward pass for the CPU engine over a Llama-family HF model's own parameters.
+"""A lean forward pass for the CPU engine over a Llama-family model's tensors (HF names and layout).
 
 Why: on a CPU, HF's ``model()`` spends most of a decode step outside the matmuls (module calls,
 cache objects, masks built per step), and a batch of ragged sequences needed its caches copied into
@@ -6,23 +6,26 @@ one padded ``DynamicCache`` every step. This forward does per layer only what th
 fused QKV matmul, one fused gate/up matmul, RoPE, and attention of each sequence over its own
 preallocated K/V buffer (``engine_sequence.Sequence.kv``: nothing is copied between steps).
 
-The fused weights are the model's storage: the HF parameters (``q_proj.weight`` ...) become views
-into them, so a weight update copied into the parameters (``CPUEngine.load_weights``) updates the
-fused matmuls too. Architectures: llama, mistral (no sliding window), qwen2, qwen3; anything else
-keeps the HF path (``LeanForward.supports``).
+The fused weights are the model's storage: the named tensors (``q_proj.weight`` ...) become views
+into them, so a weight update copied into them (``CPUEngine.load_weights``) updates the fused
+matmuls too. The tensors come straight from the checkpoint (engine_model.py); architectures: llama,
+mistral (no sliding window), qwen2, qwen3; anything else keeps the HF path
+(``engine_model.lean_supported``).
 """
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own convention
 
+from slime_server.rollout.engine_model import Rope, lean_supported
 from slime_server.rollout.engine_sequence import Sequence
 
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 # fp32 vocabulary projections at least this large go through oneDNN, on a copy of the weight: MKL's fp32
 # GEMV read them at ~11 GB/s on the 2-core AMD EPYC the benchmarks ran on, oneDNN at ~20 (SmolLM2's 576 x
 # 49152: 10.2 -> 5.4 ms per token at batch 1, 17.6 -> 8.4 ms at 8)
@@ -35,6 +38,7 @@ class _Layer:
     qkv: torch.Tensor  # [(nh + 2 * nkv) * hd, H]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
+    o_bias: torch.Tensor | None
     gate_up: torch.Tensor  # [2 * I, H]
     down: torch.Tensor
     in_norm: torch.Tensor
@@ -43,56 +47,47 @@ class _Layer:
     k_norm: torch.Tensor | None
 
 
-def _fuse(params: Seq[torch.nn.Parameter]) -> torch.Tensor:
-    """One tensor holding ``params`` stacked on dim 0; each parameter's data becomes a view into it."""
-    fused = torch.cat([p.data for p in params], dim=0)
+def _fuse(params: MutableMapping[str, torch.Tensor], names: Seq[str]) -> torch.Tensor:
+    """One tensor holding ``names``' tensors stacked on dim 0; each name then maps to a view into it."""
+    fused = torch.cat([params[n] for n in names], dim=0)
     start = 0
-    for p in params:
-        p.data = fused[start:start + p.shape[0]]
-        start += p.shape[0]
+    for n in names:
+        rows = params[n].shape[0]
+        params[n] = fused[start:start + rows]
+        start += rows
     return fused
 
 
 class LeanForward:
     """``prefill`` (one sequence, its prompt) and ``decode`` (a batch, one token each) -> logits."""
 
-    @staticmethod
-    def supports(model: torch.nn.Module) -> bool:
-        cfg = model.config
-        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-        return (getattr(cfg, "model_type", None) in SUPPORTED and window is None
-                and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "mlp_bias", False))
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        if not self.supports(model):
-            raise ValueError(f"no lean forward for {model.config.model_type!r}")
-        cfg = model.config
-        inner = model.model
-        self.embed = inner.embed_tokens.weight
-        self.final_norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
-        self.rotary = inner.rotary_emb
+    def __init__(self, cfg: Any, params: MutableMapping[str, torch.Tensor], rope: Rope) -> None:
+        """``params``: the model's tensors by HF state-dict name (engine_model.load_engine_model); the names
+        fused here are replaced by views into the fused tensors, so copying an update into ``params[name]``
+        updates what this forward computes with."""
+        if not lean_supported(cfg):
+            raise ValueError(f"no lean forward for {cfg.model_type!r}")
+        self.embed = params["model.embed_tokens.weight"]
+        self.final_norm = params["model.norm.weight"]
+        self.lm_head = params["lm_head.weight"]
+        self.rope = rope
         self.eps = float(cfg.rms_norm_eps)
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.layers: list[_Layer] = []
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            projs = [a.q_proj, a.k_proj, a.v_proj]
-            bias = None
-            if a.q_proj.bias is not None:
-                bias = torch.cat([p.bias.data for p in projs])
-                start = 0
-                for p in projs:
-                    p.bias.data = bias[start:start + p.bias.shape[0]]
-                    start += p.bias.shape[0]
+        for i in range(int(cfg.num_hidden_layers)):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            qkv = [f"{a}{x}_proj" for x in "qkv"]
+            bias = _fuse(params, [f"{p}.bias" for p in qkv]) if f"{a}q_proj.bias" in params else None
             self.layers.append(_Layer(
-                qkv=_fuse([p.weight for p in projs]), qkv_bias=bias, o=a.o_proj.weight,
-                gate_up=_fuse([m.gate_proj.weight, m.up_proj.weight]), down=m.down_proj.weight,
-                in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-                q_norm=getattr(a, "q_norm", None) and a.q_norm.weight,
-                k_norm=getattr(a, "k_norm", None) and a.k_norm.weight))
+                qkv=_fuse(params, [f"{p}.weight" for p in qkv]), qkv_bias=bias, o=params[f"{a}o_proj.weight"],
+                o_bias=params.get(f"{a}o_proj.bias"),
+                gate_up=_fuse(params, [f"{m}gate_proj.weight", f"{m}up_proj.weight"]),
+                down=params[f"{m}down_proj.weight"],
+                in_norm=params[f"model.layers.{i}.input_layernorm.weight"],
+                post_norm=params[f"model.layers.{i}.post_attention_layernorm.weight"],
+                q_norm=params.get(f"{a}q_norm.weight"), k_norm=params.get(f"{a}k_norm.weight")))
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
         self._head: torch.nn.Module | None = None
@@ -130,8 +125,7 @@ class LeanForward:
         return x + F.linear(F.silu(gate) * up, layer.down)
 
     def _positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary(self.embed[:1], positions[None, :])  # HF's RoPE (and its scaling), [1, N, hd]
-        return cos[0], sin[0]
+        return self.rope(positions, self.embed.dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         h = self._norm(x, self.final_norm)
@@ -164,7 +158,7 @@ class LeanForward:
             kb[:, start:n] = k.transpose(0, 1)
             vb[:, start:n] = v.transpose(0, 1)
             att = self._prefill_attention(q.transpose(0, 1)[None], kb[None], vb[None], start, n)  # [1, nh, new, hd]
-            x = x + F.linear(att[0].transpose(0, 1).reshape(new, self.q_size), layer.o)
+            x = x + F.linear(att[0].transpose(0, 1).reshape(new, self.q_size), layer.o, layer.o_bias)
             x = self._mlp(layer, x)
         return self._logits(x if all_logits else x[-1:])
 
@@ -212,7 +206,7 @@ class LeanForward:
             q = q.view(n, self.n_kv, self.group, self.head_dim)  # query heads grouped by their K/V head
             scores = torch.matmul(q, kp[:, :, :length].transpose(-1, -2)).mul_(self.scale).add_(bias)  # [B,nkv,g,L]
             att = torch.matmul(torch.softmax(scores, dim=-1), vp[:, :, :length]).reshape(n, self.q_size)
-            x = self._mlp(layer, x + F.linear(att, layer.o))
+            x = self._mlp(layer, x + F.linear(att, layer.o, layer.o_bias))
         for s in batch:
             s.kv_len += 1
         return self._logits(x)

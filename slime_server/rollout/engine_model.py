@@ -1,0 +1,149 @@
+"""The CPU engine's model read straight from a checkpoint directory: config, tensors and RoPE.
+
+Why: building HF's ``AutoModelForCausalLM`` for the lean forward (lean_forward.py) cost every engine start
+~1 s of CPU importing transformers' modeling code, and the lean forward uses none of it: it needs the tensors
+under their HF names (so weight updates find them), the config and RoPE's frequencies. The suite starts ~70
+engines; ``serve`` and the demo start faster too. Architectures and RoPE types the lean forward does not cover
+(and ``forward: hf``) still load HF's model (``load_engine_model``), which stays the reference the lean
+forward is tested against.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+# RoPE types whose frequencies do not depend on the sequence length (HF's ``dynamic_rope_update`` recomputes
+# "dynamic" and "longrope" per call: those models keep HF's forward)
+STATIC_ROPE_TYPES = {"default", "linear", "yarn", "llama3", "proportional"}
+
+
+def lean_supported(cfg: Any) -> bool:
+    """Whether the lean forward computes what HF's model does for ``cfg``: one of its architectures, full
+    attention (no sliding window), SiLU MLP without bias, a RoPE whose frequencies are static."""
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    return (getattr(cfg, "model_type", None) in LEAN_MODEL_TYPES and window is None
+            and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "mlp_bias", False)
+            and rope_type(cfg) in STATIC_ROPE_TYPES)
+
+
+def rope_type(cfg: Any) -> str:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+class Rope:
+    """HF's rotary embedding for these architectures (``LlamaRotaryEmbedding`` and its copies): the same
+    frequencies (HF's own init functions for scaled types) and the same float32 arithmetic, so cos/sin are
+    bit-identical to the HF model's."""
+
+    def __init__(self, cfg: Any) -> None:
+        kind = rope_type(cfg)
+        if kind == "default":
+            base = cfg.rope_parameters["rope_theta"]
+            dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            self.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[kind](cfg)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, head_dim] of ``positions`` [N]."""
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+@dataclass
+class EngineModel:
+    """What the engine serves from. ``params`` maps every HF state-dict name to its tensor (tied embeddings:
+    one tensor under both names), the names weight updates use; ``hf_model`` is set only on HF's path."""
+
+    config: Any
+    params: dict[str, torch.Tensor]
+    eos_ids: set[int]
+    rope: Rope | None = None
+    hf_model: torch.nn.Module | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        seen = {t.data_ptr(): t.numel() * t.element_size() for t in self.params.values()}
+        return sum(seen.values())
+
+
+def state_dict_names(cfg: Any) -> list[str]:
+    """The names of HF's state dict for a lean-supported ``cfg`` (the causal-LM model), in its order."""
+    kind = cfg.model_type
+    qkv_bias = kind == "qwen2" or (kind in ("llama", "qwen3") and getattr(cfg, "attention_bias", False))
+    o_bias = kind in ("llama", "qwen3") and getattr(cfg, "attention_bias", False)
+    names = ["model.embed_tokens.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for proj in ("q", "k", "v", "o"):
+            names.append(f"{p}self_attn.{proj}_proj.weight")
+            if (proj != "o" and qkv_bias) or (proj == "o" and o_bias):
+                names.append(f"{p}self_attn.{proj}_proj.bias")
+        if kind == "qwen3":
+            names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+        names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+    return [*names, "model.norm.weight", "lm_head.weight"]
+
+
+def _read_tensors(path: Path, wanted: set[str]) -> dict[str, torch.Tensor] | None:
+    """``wanted`` tensors from the directory's safetensors files, or None when any is missing."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in wanted:
+                    out[name] = st.get_tensor(name)
+    return out if out.keys() == wanted else None
+
+
+def _eos_ids(path: Path, cfg: Any) -> set[int]:
+    """EOS ids of the model config and of ``generation_config.json`` (what HF's ``generation_config`` holds)."""
+    ids: set[int] = set()
+    found = [getattr(cfg, "eos_token_id", None)]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        found.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for e in found:
+        ids.update([e] if isinstance(e, int) else (e or []))
+    return ids
+
+
+def load_engine_model(model_path: str, dtype: torch.dtype, lean: bool) -> EngineModel:
+    """The lean path (config, tensors and RoPE, no HF model) when ``lean`` and the checkpoint allows it: a
+    supported architecture with every tensor in safetensors files; otherwise HF's model."""
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    cfg = AutoConfig.from_pretrained(model_path)
+    if lean and lean_supported(cfg):
+        names = state_dict_names(cfg)
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        wanted = set(names) - ({"lm_head.weight"} if tied else set())
+        tensors = _read_tensors(path, wanted)
+        if tensors is not None:
+            params = {n: tensors[n].to(dtype) for n in names if n in tensors}
+            if tied:
+                params["lm_head.weight"] = params["model.embed_tokens.weight"]
+            return EngineModel(config=cfg, params=params, eos_ids=_eos_ids(path, cfg), rope=Rope(cfg))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    eos = _eos_ids(path, model.config)
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+    return EngineModel(config=model.config, params=dict(model.state_dict(keep_vars=True)), eos_ids=eos,
+                       hf_model=model)
