@@ -4,9 +4,12 @@ and /proc-based process-tree checks (psutil is not a dependency)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import httpx
+
+from slime_server.utils.procs import pid_alive, proc_stat
+
+__all__ = ["pid_alive", "proc_tree", "generate_body", "served_generate_count"]
 
 PROMPT = [11, 12, 13, 14, 15, 16]
 
@@ -29,29 +32,13 @@ def served_generate_count(engine) -> int:
     return int(r.json()["num_generate_requests"])
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return raw[raw.rindex(")") + 2:].split()  # fields after "pid (comm)": state is [0], ppid [1]
-
-
-def pid_alive(pid: int, start_time: str | None = None) -> bool:
-    """True while ``pid`` runs (zombies count as gone); ``start_time`` guards against PID reuse."""
-    st = _stat(pid)
-    if st is None or st[0] in ("Z", "X"):
-        return False
-    return start_time is None or st[19] == start_time
-
-
 def proc_tree(root: int) -> dict[int, str]:
     """All live descendants of ``root`` (any depth, across sessions): pid -> start time."""
     children: dict[int, list[int]] = {}
     starts: dict[int, str] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            st = _stat(int(entry))
+            st = proc_stat(int(entry))
             if st is not None:
                 children.setdefault(int(st[1]), []).append(int(entry))
                 starts[int(entry)] = st[19]

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from slime_server.utils.procs import pid_alive, proc_stat
 from slime_server.utils.shm import SHM_ROOT, reap_dead_pids, torch_shm_files
 
 CHILD = textwrap.dedent("""
@@ -60,19 +61,31 @@ def test_a_killed_ranks_buckets_are_removed_and_a_live_ones_kept() -> None:
 
 
 def test_reaping_waits_for_a_kill_to_take_effect() -> None:
+    """A rank still running when the reaper starts (a kill that lands a second later) is waited for; a killed
+    process its parent has not collected yet (a zombie) is dead already: no waiting on the parent."""
     proc = _start_child()
     try:
         assert len(_files(proc.pid)) == 2
-        os.killpg(proc.pid, signal.SIGKILL)
-        # the pid exists until its parent collects it (a second from now): a kill is not instant either
-        threading.Timer(1.0, proc.wait).start()
+        threading.Timer(1.0, os.killpg, (proc.pid, signal.SIGKILL)).start()
         t0 = time.monotonic()
         assert reap_dead_pids([proc.pid], wait_s=20.0)[0] == 2 and _files(proc.pid) == []
         assert time.monotonic() - t0 >= 0.9
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        proc.wait(30)
+    zombie = _start_child()
+    try:
+        os.killpg(zombie.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while proc_stat(zombie.pid)[0] != "Z" and time.monotonic() < deadline:  # not collected: we hold it
+            time.sleep(0.01)
+        assert proc_stat(zombie.pid)[0] == "Z" and not pid_alive(zombie.pid)
+        t0 = time.monotonic()
+        assert reap_dead_pids([zombie.pid], wait_s=20.0)[0] == 2 and _files(zombie.pid) == []
+        assert time.monotonic() - t0 < 5  # os.kill(pid, 0) succeeds on a zombie: that check waited 20 s here
+    finally:
+        zombie.wait(30)
 
 
 def test_recorded_ranks_of_a_killed_server_are_reaped_by_the_next_one(tmp_path: Path) -> None:

@@ -248,6 +248,12 @@ class TrainerRank:
 
         return ray.get_runtime_context().get_node_id()
 
+    def where(self) -> tuple[str, str, int]:
+        """(Ray node, host name, pid) of this rank's process: what cleaning up after it needs."""
+        import socket
+
+        return self.node_id(), socket.gethostname(), os.getpid()
+
     def shutdown(self) -> None:
         from slime_server.trainer.parallel import destroy_parallel
 
@@ -272,11 +278,10 @@ class TrainerGroup:
                                 resources=dict(resources or {}) or None)(TrainerRank)
         self.world_size = world_size
         self.actors = [remote_cls.remote(settings) for _ in range(world_size)]
-        self._ranks: list[tuple[str, int]] = []  # (node id, pid) of every rank, once set up: shutdown reaps them
-        # where the ranks are recorded while they run (utils/shm.record_ranks): a server killed before it could
-        # shut them down leaves their buckets in /dev/shm, and the next one on the host removes them
+        self._ranks: list[tuple[str, str, int]] = []  # (node id, host, pid) of every rank once set up: shutdown
+        # reaps them. Where the ranks are recorded while they run (utils/shm.record_ranks): a server killed before
+        # it could shut them down leaves their buckets in /dev/shm, and the next one on the host removes them
         self.registry = Path(registry) if registry is not None else None
-        self._hosts: list[tuple[str, int]] = []
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray
@@ -288,13 +293,11 @@ class TrainerGroup:
         import ray
 
         ip, port = ray.get(self.actors[0].open_rendezvous.remote(self.world_size))
-        self._ranks = list(zip(self.node_ids(), self.pids(), strict=True))
+        self._ranks = [(str(node), str(host), int(pid)) for node, host, pid in self._all("where")]
         if self.registry is not None:
             from slime_server.utils.shm import record_ranks
 
-            host_of = {n["NodeID"]: n.get("NodeManagerHostname", "") for n in ray.nodes()}
-            self._hosts = [(host_of.get(node, ""), pid) for node, pid in self._ranks]
-            record_ranks(self.registry, self._hosts)
+            record_ranks(self.registry, [(host, pid) for _, host, pid in self._ranks])
         return ray.get([
             a.setup.remote(RendezvousInfo(rank=r, world_size=self.world_size, master_addr=ip, master_port=port))
             for r, a in enumerate(self.actors)
@@ -366,7 +369,7 @@ class TrainerGroup:
 
         here = ray.get_runtime_context().get_node_id()
         by_node: dict[str, list[int]] = {}
-        for node, pid in self._ranks:
+        for node, _, pid in self._ranks:
             by_node.setdefault(node, []).append(pid)
         removed = freed = 0
         for node, pids in by_node.items():
@@ -387,6 +390,6 @@ class TrainerGroup:
         if self.registry is not None:
             from slime_server.utils.shm import forget_ranks
 
-            forget_ranks(self.registry, self._hosts)
-        self._ranks, self._hosts = [], []
+            forget_ranks(self.registry, [(host, pid) for _, host, pid in self._ranks])
+        self._ranks = []
         return removed, freed

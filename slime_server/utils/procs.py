@@ -22,6 +22,35 @@ def spawn(cmd: Sequence[str], env: dict[str, str] | None = None, log_path: str |
     )
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after "pid (comm)" (state is [0], ppid [1], start time [19]), or None
+    when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw[raw.rindex(")") + 2:].split()
+
+
+def pid_alive(pid: int, start_time: str | None = None) -> bool:
+    """True while ``pid`` runs. A zombie (exited, not yet reaped by its parent) counts as gone: waiting for a
+    killed process to be reaped would wait on its parent. ``start_time`` (field [19] of its stat) guards against
+    the pid's reuse by a later process. Without ``/proc`` (not Linux) a signal 0 decides."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's process
+            return True
+        return True
+    st = proc_stat(pid)
+    if st is None or st[0] in ("Z", "X"):
+        return False
+    return start_time is None or st[19] == start_time
+
+
 def python_module_cmd(module: str, *args: str) -> list[str]:
     """Command line running ``python -m module args`` with this interpreter."""
     return [sys.executable, "-m", module, *args]

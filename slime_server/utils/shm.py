@@ -17,18 +17,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from slime_server.utils.procs import pid_alive
+
 SHM_ROOT = "/dev/shm"
 _TORCH_SHM = re.compile(r"^torch_(\d+)_")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def torch_shm_files(root: str = SHM_ROOT) -> dict[int, list[str]]:
