@@ -117,3 +117,38 @@ def test_an_engine_start_imports_no_modeling_code(tiny_model_path: Path) -> None
 
     tensors = load_file(str(tiny_model_path / "model.safetensors"))
     assert got["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())  # tied: counted once
+
+
+def test_the_onednn_head_is_rebuilt_once_after_a_bucketed_update(tiny_model_path: Path, monkeypatch) -> None:
+    """The vocabulary projection's oneDNN copy follows the weights: after an update in three buckets (the
+    embedding, which the tied head shares, in the second) the engine answers as HF's model with those weights,
+    and the copy was rebuilt once, by the next forward, not after every bucket."""
+    from slime_server.rollout import lean_forward
+    from tests._engine_helpers import hf_greedy, hf_model
+
+    monkeypatch.setattr(lean_forward, "MKLDNN_HEAD_MIN", 0)  # the tiny model's head through oneDNN too
+    rebuilds = []
+    original = lean_forward.LeanForward._rebuild_head
+    monkeypatch.setattr(lean_forward.LeanForward, "_rebuild_head", lambda self: (rebuilds.append(1), original(self)))
+    engine = CPUEngine(EngineConfig(model_path=str(tiny_model_path)))
+    try:
+        sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+        engine.generate(PROMPTS[0], sp)
+        assert engine.lean._head is not None and len(rebuilds) == 1
+        ref = hf_model(tiny_model_path)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(-1.0)
+        named = list(ref.state_dict().items())
+        thirds = [named[: len(named) // 3], named[len(named) // 3: 2 * len(named) // 3], named[2 * len(named) // 3:]]
+        assert any(n == "model.embed_tokens.weight" for n, _ in thirds[0] + thirds[1])
+        for i, bucket in enumerate(thirds):
+            engine.load_weights(bucket, "neg" if i == 2 else None)
+        assert len(rebuilds) == 1  # nothing rebuilt between buckets
+        assert engine.generate(PROMPTS[0], sp)[0].output_ids == hf_greedy(ref, PROMPTS[0], 8)
+        assert len(rebuilds) == 2
+        engine.load_weights([(n, t) for n, t in named if n == "model.norm.weight"], None)
+        engine.generate(PROMPTS[0], sp)
+        assert len(rebuilds) == 2  # an update that leaves the head alone keeps its copy
+    finally:
+        engine.shutdown()

@@ -336,7 +336,7 @@ class CPUEngine:
                 for name, t in commit.named:
                     self._params[name].copy_(t)
             if self.lean is not None:
-                self.lean.refresh()
+                self.lean.weights_changed([self._params[name] for name, _ in commit.named])
             if commit.flush and not (not self._running and (self._paused or not self._waiting)):
                 commit.error = FlushRefused("requests are running or queued")
             elif commit.version is not None:

@@ -91,7 +91,7 @@ class LeanForward:
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
         self._head: torch.nn.Module | None = None
-        self.refresh()
+        self._head_stale = True  # the oneDNN copy of lm_head is (re)built by the next forward that needs it
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
         self.q_size = self.n_heads * self.head_dim
@@ -129,12 +129,23 @@ class LeanForward:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         h = self._norm(x, self.final_norm)
+        if self._head_stale:
+            self._rebuild_head()
         if self._head is not None:
             return self._head(h)
         return F.linear(h, self.lm_head)
 
-    def refresh(self) -> None:
-        """Rebuild what copies the weights (the oneDNN vocabulary projection) after a weight update."""
+    def weights_changed(self, tensors: Seq[torch.Tensor]) -> None:
+        """``tensors`` (the engine's, by name) were overwritten: what copies them must be rebuilt. Only the
+        oneDNN vocabulary projection copies a weight, and it is rebuilt once, by the next forward: a push of N
+        buckets (engine paused) used to rebuild it after every bucket, a copy of the embedding each time (16
+        rebuilds of 131 MB in a 257 MB push of 16 MiB buckets)."""
+        head = self.lm_head.untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() == head for t in tensors):
+            self._head_stale = True
+
+    def _rebuild_head(self) -> None:
+        self._head_stale = False
         self._head = None
         if (self.lm_head.dtype == torch.float32 and self.lm_head.numel() >= MKLDNN_HEAD_MIN
                 and torch.backends.mkldnn.is_available()):
