@@ -132,24 +132,42 @@ def unflatten(buf: torch.Tensor, metas: list[FlatMeta]) -> list[tuple[str, torch
     return out
 
 
+class ByteGrouper:
+    """Consecutive groups of at most ``max_bytes`` (a larger tensor goes alone), fed one tensor at a time.
+    ``aligned``: a tensor that would start at an offset not aligned to its dtype starts a new group (SGLang's
+    flattened layout has no padding and refuses unaligned tensors)."""
+
+    def __init__(self, max_bytes: int, aligned: bool = True) -> None:
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
+        self.max_bytes, self.aligned = max_bytes, aligned
+        self.group: list[tuple[str, torch.Tensor]] = []
+        self.used = 0
+
+    def add(self, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """Take a tensor; returns the group it closed, if any."""
+        size, done = nbytes(t), None
+        if self.group and (self.used + size > self.max_bytes or (self.aligned and self.used % t.element_size())):
+            done = self.flush()
+        self.group.append((name, t))
+        self.used += size
+        return done
+
+    def flush(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The open group (None when empty); a new one starts."""
+        done, self.group, self.used = self.group or None, [], 0
+        return done
+
+
 def group_by_bytes(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int
                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``max_bytes`` (a larger tensor goes alone); streams, never holds all.
-    A tensor that would start at an offset not aligned to its dtype starts a new group (SGLang's
-    flattened layout has no padding and refuses unaligned tensors)."""
-    if max_bytes <= 0:
-        raise ValueError("max_bytes must be positive")
-    group: list[tuple[str, torch.Tensor]] = []
-    used = 0
+    """``ByteGrouper``'s aligned groups of a stream; never holds more than one group."""
+    grouper = ByteGrouper(max_bytes)
     for name, t in named:
-        size = nbytes(t)
-        if group and (used + size > max_bytes or used % t.element_size()):
-            yield group
-            group, used = [], 0
-        group.append((name, t))
-        used += size
-    if group:
-        yield group
+        if (done := grouper.add(name, t)) is not None:
+            yield done
+    if (done := grouper.flush()) is not None:
+        yield done
 
 
 class SharedArena:
@@ -183,6 +201,45 @@ class SharedArena:
 
     def close(self) -> None:
         self._slots.clear()
+
+
+def share_in_place(tensors: Iterable[torch.Tensor]) -> int:
+    """Move the storages of these CPU tensors into shared-memory files (torch's ``file_system`` strategy) in
+    place: every tensor and view over them keeps working, on the shared pages from now on. Returns the bytes
+    moved (0 once they all are). Why: a same-host weight push hands such tensors to the engine by file name and
+    offset (``WeightPusher``), so the engine copies straight from the trainer's parameters instead of from a
+    bucket they were first copied into: one copy of the model per push instead of two."""
+    moved = 0
+    with sharing_strategy("file_system"):
+        for t in tensors:
+            if t.device.type != "cpu" or t.is_shared():  # a storage shared by an earlier view is skipped here
+                continue
+            storage = t.untyped_storage()
+            storage.share_memory_()
+            moved += storage.nbytes()
+    return moved
+
+
+class SharedStaging:
+    """CPU tensors in shared memory by name, kept between pushes: where a push's conversions write what they cannot
+    hand over as a view of the parameters (q/k/v split out of Megatron's fused layout: ``convert.split_qkv``).
+    They then go by reference like the parameters; without it they were new tensors, copied once more into a
+    bucket. Rewritten by the next push, which starts only once the engines have loaded this one."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = self._by_name.get(name)
+        if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            t = torch.zeros(shape, dtype=dtype)
+            share_in_place([t])
+            self._by_name[name] = t
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes(t) for t in self._by_name.values())
 
 
 # ---------------------------------------------------------------- payloads (/update_weights_from_tensor)
@@ -332,10 +389,12 @@ class _Mappings:
 
         path = os.path.join("/dev/shm", name)
         with self._lock:
-            for gone in [n for n in self._maps if not os.path.exists(os.path.join("/dev/shm", n))]:
-                del self._maps[gone]
             data = self._maps.pop(name, None)
             if data is None or data.numel() != nbytes:
+                # a new file: drop the mappings of files that are gone first (checked on a miss only: a push of a
+                # trainer's parameters names hundreds of files, and a check per hit made it quadratic)
+                for gone in [n for n in self._maps if not os.path.exists(os.path.join("/dev/shm", n))]:
+                    del self._maps[gone]
                 data = _map_shm(path, nbytes)
             self._maps[name] = data  # most recent last
             while len(self._maps) > 1 and sum(t.numel() for t in self._maps.values()) > self.cap:

@@ -279,6 +279,10 @@ def test_dataset_job_plays_environment_episodes_in_groups(server: Any, tmp_path:
         assert r.status_code == 400 and "no-such-env" in r.json()["error"]["message"]
         j = c.post("/jobs", json=body).raise_for_status().json()
     j = wait_job(server, j["id"], lambda j: j["step"] >= 2)
+    pushed = wait_event(server, j["id"], "weights_pushed")["data"]
+    # engines on this host: the sender rank's parameters are in shared memory and what the export converts (q/k/v)
+    # is written into shared buffers: the engines copy all of it straight from there, nothing is packed first
+    assert pushed["mode"] == "tensor" and pushed["referenced_bytes"] == pushed["bytes"] > 0
     episodes = wait_event(server, j["id"], "episodes")["data"]
     assert episodes["episodes"] == 4 and episodes["errors"] == 0  # 2 prompts x 2 samples per round
     store = server.gateway.server.config.app.state.gw.store

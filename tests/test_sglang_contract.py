@@ -433,6 +433,28 @@ def test_weight_payload_uses_only_globals_sglang_unpickles() -> None:
         assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
+def test_by_reference_payload_uses_only_globals_sglang_unpickles() -> None:
+    """The payload of tensors sent in place (a trainer's parameters in shared memory: views at offsets of their
+    storage; ``load_format`` left out, SGLang's default) references only ``SafeUnpickler.ALLOWED_GLOBALS`` and
+    loads with that very unpickler into the same (name, tensor) pairs: the list SGLang's default branch passes
+    to ``model.load_weights``."""
+    import base64
+
+    from slime_server.weights import serialize, share_in_place
+
+    storage = torch.randn(64)
+    share_in_place([storage])
+    named = [("model.layers.0.mlp.down_proj.weight", storage[8:32].view(4, 6)), ("model.norm.weight", storage[40:44]),
+             ("lm_head.weight", storage[:8].view(2, 4).t())]  # offsets, and a transposed (strided) view
+    raw = base64.b64decode(serialize(named), validate=True)
+    refused = sorted(pickle_globals(raw) - safe_unpickler_allowed_globals())
+    assert not refused, f"SGLang's SafeUnpickler refuses these globals of our payload: {refused}"
+    got = safe_unpickler_class()(io.BytesIO(raw)).load()
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (_, t), (name, want) in zip(got, named, strict=True):
+        assert t.shape == want.shape and torch.equal(t, want), name
+
+
 def test_pickle_globals_sees_every_import() -> None:
     """The opcode walk itself: STACK_GLOBAL with memoized strings (protocol 4) and GLOBAL (protocol 2)."""
     import collections

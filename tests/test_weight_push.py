@@ -12,16 +12,18 @@ import httpx
 import pytest
 import torch
 
-from slime_server.trainer.convert import iter_hf_tensors, load_hf_checkpoint_into
+from slime_server.trainer.convert import export_hf_state_dict, iter_hf_tensors, load_hf_checkpoint_into
 from slime_server.trainer.model import build_gpt_model
 from slime_server.trainer.parallel import parallel_context
 from slime_server.trainer.weight_push import (
     WeightPusher,
     WeightPushError,
+    in_shared_memory,
     is_push_sender,
     mark_last,
 )
 from slime_server.utils.net import find_free_port
+from slime_server.weights import SharedStaging, nbytes, share_in_place
 from tests._engine_helpers import hf_greedy, hf_logprobs
 from tests._weight_push_helpers import (
     NEW_TOKENS,
@@ -224,3 +226,51 @@ def test_bad_arguments():
         WeightPusher(["http://127.0.0.1:1"], mode="carrier-pigeon")  # type: ignore[arg-type]
     with WeightPusher(["http://127.0.0.1:1"], sender=True) as pusher, pytest.raises(ValueError):
         pusher.push(iter(()), version=1)
+
+
+def test_parameters_in_shared_memory_go_by_reference(megatron, engines):
+    """A trainer's parameters moved into shared memory (``weights.share_in_place``, what a sender rank does before
+    a same-host push) are handed over in place: the engine copies straight from them. Without staging, what the
+    export converts (q/k/v, split out of Megatron's fused layout) is packed into a bucket; with it
+    (``weights.SharedStaging``, what the rank passes) the split writes into shared buffers and nothing is packed.
+    Each push gives the engine exactly the trainer's weights (the staged buffers rewritten push after push), and
+    the engine keeps them when the trainer's tensors change afterwards (copied, not aliased)."""
+    config, _ = megatron
+    model = build_gpt_model(config).eval()  # a model of its own: the other tests' stays unshared
+    state = perturbed(model, seed=21, scale=0.2)
+    params = list(model.parameters())
+    assert not any(p.is_shared() for p in params)
+    assert share_in_place(p.data for p in params) >= sum(p.numel() * p.element_size() for p in params)
+    assert all(p.is_shared() for p in params) and share_in_place(p.data for p in params) == 0
+    after = export_hf_state_dict(model)
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)  # moved intact
+    named = list(iter_hf_tensors(model))
+    shared = sum(nbytes(t) for _, t in named if in_shared_memory(t))
+    assert {n.split(".")[-2] for n, t in named if not in_shared_memory(t)} == {"q_proj", "k_proj", "v_proj"}
+    url = engines[0]
+    total = sum(nbytes(t) for _, t in named)
+
+    def serves(state: dict[str, torch.Tensor]) -> tuple[list[int], list[float]]:
+        ids, lps, _ = greedy(url)
+        ref = hf_reference(config, state)
+        assert ids == hf_greedy(ref, PROMPT, NEW_TOKENS)
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(hf_logprobs(ref, PROMPT, ids, 0.0)),
+                                   atol=1e-4, rtol=0)
+        return ids, lps
+
+    staging = SharedStaging()
+    with WeightPusher([url], bucket_bytes=total // 4, mode="tensor", sender=True) as pusher:
+        stats = pusher.push(iter_hf_tensors(model), version=31)
+        assert stats.referenced_bytes == shared and 0 < shared < stats.bytes == total
+        assert version_of(url) == "31"
+        serves(state)
+        for version, seed in ((32, 22), (33, 23)):  # training steps change the parameters in place
+            state = perturbed(model, seed=seed, scale=0.2)
+            stats = pusher.push(iter_hf_tensors(model, staging), version=version)
+            assert stats.referenced_bytes == stats.bytes == total  # nothing packed
+            assert staging.nbytes == total - shared  # q/k/v, the same buffers every push
+            got = serves(state)
+    with torch.no_grad():  # the trainer's next step rewrites its parameters in place
+        for p in params:
+            p.mul_(0.5)
+    assert greedy(url)[:2] == got

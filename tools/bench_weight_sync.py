@@ -9,9 +9,17 @@ SGLang's routes: pause, every bucket packed into a reusable buffer and either ha
 tensor (``tensor``: ``/update_weights_from_tensor``) or broadcast over a gloo group (``distributed``:
 ``/update_weights_from_distributed``), the engine loading each bucket into its live parameters, continue,
 and the version check.
+``--sources``: where the pushed tensors come from. ``trainer``: what a sender rank pushes, the export of a
+Megatron-core model (TP = 1) whose parameters are in shared memory, q/k/v split out of Megatron's fused layout
+into shared staging buffers (``weights.SharedStaging``), as ``TrainerRank.push_weights`` does. ``shared``: in shared memory, as a trainer rank's parameters are
+before a same-host push (``weights.share_in_place``): the tensor path hands them over in place and the engine
+copies straight from them. ``plain``: ordinary tensors (what a conversion produces, e.g. TP-gathered or q/k/v
+split out of Megatron's layout): packed into a bucket first. The broadcast path packs both.
+
 Baseline, measured in the same round: torch ``copy_`` of the same tensors into one preallocated,
 already-touched buffer (one memcpy of the bytes). The push makes at least two copies (into the bucket,
-then into the engine's parameters), so 50% of memcpy is the ceiling a copy-bound push can reach.
+then into the engine's parameters), so 50% of memcpy is the ceiling a copy-bound push of plain tensors can
+reach; from shared tensors it makes one.
 """
 
 from __future__ import annotations
@@ -27,15 +35,18 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
+from slime_server.trainer.convert import iter_hf_tensors
 from slime_server.trainer.weight_push import WeightPusher
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group, python_module_cmd, spawn
+from slime_server.weights import SharedStaging, share_in_place
 
 MiB = 2**20
 
 
 class BenchRow(BaseModel):
     mode: str
+    source: str
     bucket_mib: int
     buckets: int
     push_s: float
@@ -91,6 +102,22 @@ def memcpy_seconds(named: list[tuple[str, torch.Tensor]], dst: torch.Tensor) -> 
     return time.perf_counter() - t0
 
 
+def megatron_model(hf_dir: Path) -> torch.nn.Module:
+    """The checkpoint as the trainer holds it (a Megatron-core GPTModel, TP = 1, this process), its parameters in
+    shared memory, as a sender rank's are before a same-host push."""
+    from transformers import AutoConfig
+
+    from slime_server.trainer.convert import load_hf_checkpoint_into
+    from slime_server.trainer.model import build_gpt_model
+    from slime_server.trainer.parallel import init_parallel
+
+    init_parallel(tp_size=1)
+    model = build_gpt_model(AutoConfig.from_pretrained(str(hf_dir))).eval()
+    load_hf_checkpoint_into(model, hf_dir)
+    share_in_place(p.data for p in model.parameters())
+    return model
+
+
 def run(args: argparse.Namespace) -> BenchReport:
     from slime_server.models.tiny import ensure_tiny_model
 
@@ -112,12 +139,18 @@ def run(args: argparse.Namespace) -> BenchReport:
         try:
             wait_http_ok(f"{url}/health", timeout=300, proc=proc)
             version = 0
-            for mode, mib in [(m, s) for m in args.modes for s in args.sizes]:
+            shared = [(n, t.clone()) for n, t in named]
+            share_in_place(t for _, t in shared)
+            trainer = megatron_model(workdir) if "trainer" in args.sources else None
+            staging = SharedStaging()  # what the rank's export converts (q/k/v) is written into shared buffers
+            cases = [(m, src, s) for src in args.sources for m in args.modes for s in args.sizes]
+            for mode, source, mib in cases:
+                tensors = {"shared": shared, "plain": named}.get(source)
                 pushes, memcpys, packs, n_buckets = [], [], [], 0
                 with WeightPusher([url], bucket_bytes=mib * MiB, mode=mode, sender=True) as p:
                     for _ in range(args.warmup + args.repeats):
                         version += 1
-                        stats = p.push(iter(named), version)
+                        stats = p.push(iter(tensors) if tensors is not None else iter_hf_tensors(trainer, staging), version)
                         mc = memcpy_seconds(named, dst)
                         pushes.append(stats.seconds)
                         packs.append(stats.pack_seconds)
@@ -125,11 +158,11 @@ def run(args: argparse.Namespace) -> BenchReport:
                         n_buckets = stats.buckets
                 push_s = statistics.median(pushes[args.warmup:])
                 mc_s = statistics.median(memcpys[args.warmup:])
-                row = BenchRow(mode=mode, bucket_mib=mib, buckets=n_buckets, push_s=push_s, push_gbps=total / 1e9 / push_s,
+                row = BenchRow(mode=mode, source=source, bucket_mib=mib, buckets=n_buckets, push_s=push_s, push_gbps=total / 1e9 / push_s,
                                pack_s=statistics.median(packs[args.warmup:]), memcpy_s=mc_s,
                                memcpy_gbps=total / 1e9 / mc_s, ratio=mc_s / push_s)
                 rows.append(row)
-                print(f"{mode:11s} bucket {mib:4d} MiB  buckets {row.buckets:3d}  push {row.push_s * 1e3:7.1f} ms "
+                print(f"{mode:11s} {source:6s} bucket {mib:4d} MiB  buckets {row.buckets:3d}  push {row.push_s * 1e3:7.1f} ms "
                       f"{row.push_gbps:6.2f} GB/s (pack {row.pack_s * 1e3:6.1f} ms)  memcpy "
                       f"{row.memcpy_s * 1e3:6.1f} ms {row.memcpy_gbps:6.2f} GB/s  ratio {row.ratio:5.1%}", flush=True)
         finally:
@@ -148,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--modes", nargs="+", choices=["tensor", "distributed"], default=["tensor", "distributed"])
+    ap.add_argument("--sources", nargs="+", choices=["trainer", "shared", "plain"],
+                    default=["trainer", "shared", "plain"],
+                    help="a Megatron model's export (parameters in shared memory, q/k/v converted), tensors in "
+                         "shared memory, or plain tensors")
     ap.add_argument("--threads", type=int, default=1, help="torch threads here and in the engine")
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     return ap
@@ -158,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     if args.json:
         args.json.write_text(report.model_dump_json(indent=2))
-    for mode in args.modes:
-        rows = [r for r in report.rows if r.mode == mode]
-        print(f"{mode}: best {max(r.push_gbps for r in rows):.2f} GB/s, ratio push/memcpy "
+    for mode, source in [(m, src) for src in args.sources for m in args.modes]:
+        rows = [r for r in report.rows if r.mode == mode and r.source == source]
+        print(f"{mode} {source}: best {max(r.push_gbps for r in rows):.2f} GB/s, ratio push/memcpy "
               f"{min(r.ratio for r in rows):.1%}..{max(r.ratio for r in rows):.1%} "
               f"(targets: tensor >= 50% of memcpy, distributed >= 1 GB/s)")
     return 0

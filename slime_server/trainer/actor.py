@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, Field
@@ -23,6 +23,9 @@ from slime_server.trainer.critic import CriticSettings
 from slime_server.trainer.optimizer import OptimizerBundle, OptimizerSettings, build_optimizer
 from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
 from slime_server.trainer.types import TrainSample
+
+if TYPE_CHECKING:
+    from slime_server.trainer.convert import Staging
 
 log = logging.getLogger(__name__)
 
@@ -208,12 +211,12 @@ class TrainerRank:
         self.step, self.policy_version = meta.step, meta.policy_version
         return {"step": self.step, "policy_version": self.policy_version}
 
-    def named_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_hf_tensors(self, staging: Staging | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (TP shards all-gathered; with PP > 1 the later stages' streamed to the first)
-        for the bucketed weight push (collective)."""
+        for the bucketed weight push (collective); ``staging``: see ``convert.megatron_tensor_to_hf``."""
         from slime_server.trainer.pipeline import pipeline_hf_tensors
 
-        yield from pipeline_hf_tensors(self._ready().model)
+        yield from pipeline_hf_tensors(self._ready().model, staging)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """``named_hf_tensors`` materialised on CPU (for Ray callers and tests); with PP > 1 every stage's
@@ -228,7 +231,8 @@ class TrainerRank:
         """Bucketed push of the current weights to ``engine_urls`` as ``version`` (collective: every rank
         joins the TP gathers, only the sender rank sends). The pusher and its buffers are kept while the
         engine set and bucket size stay the same, so steady-state pushes reuse their shm buckets."""
-        from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher
+        from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher, is_push_sender
+        from slime_server.weights import SharedStaging, share_in_place
 
         key = (tuple(engine_urls), bucket_bytes or DEFAULT_BUCKET_BYTES)
         if getattr(self, "_pusher_key", None) != key:
@@ -237,7 +241,14 @@ class TrainerRank:
             self._pusher = WeightPusher(list(engine_urls), bucket_bytes=key[1], api_key=self.settings.engine_api_key,
                                         mode=self.settings.weight_sync)
             self._pusher_key = key
-        return self._pusher.push(self.named_hf_tensors(), version=version).model_dump()
+        staging = None
+        if self._pusher.mode == "tensor" and is_push_sender():
+            # the parameters, and what the export converts, in shared memory: the engines copy straight from them
+            share_in_place(p.data for p in self._ready().model.parameters())
+            if getattr(self, "_staging", None) is None:
+                self._staging = SharedStaging()
+            staging = self._staging
+        return self._pusher.push(self.named_hf_tensors(staging), version=version).model_dump()
 
     def pid(self) -> int:
         return os.getpid()

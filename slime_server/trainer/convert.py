@@ -19,7 +19,7 @@ with gate/up split separately; row-parallel: dim 1; vocab-parallel embedding/out
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -64,15 +64,21 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Mode
     return torch.cat(parts, dim=1).reshape(-1, *tail)
 
 
-def split_qkv(qkv: torch.Tensor, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of ``interleave_qkv``: Megatron linear_qkv -> HF (q, k, v)."""
+def split_qkv(qkv: torch.Tensor, arch: ModelArch, out: Sequence[torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``interleave_qkv``: Megatron linear_qkv -> HF (q, k, v), new tensors or written into ``out``
+    (three tensors of the HF shapes: one copy straight into them)."""
     g, d = arch.num_kv_heads, arch.head_dim
     per_group = arch.num_heads // g
     tail = qkv.shape[1:]
     grouped = qkv.reshape(g, per_group + 2, d, *tail)
-    q, k, v = grouped.split([per_group, 1, 1], dim=1)
-    return (q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(),
-            v.reshape(-1, *tail).contiguous())
+    parts = grouped.split([per_group, 1, 1], dim=1)
+    if out is None:
+        q, k, v = (p.reshape(-1, *tail).contiguous() for p in parts)
+        return q, k, v
+    for dst, part in zip(out, parts, strict=True):
+        dst.view(part.shape).copy_(part)
+    return out[0], out[1], out[2]
 
 
 def _suffix(name: str) -> str:
@@ -154,10 +160,15 @@ def hf_to_megatron(
     return out
 
 
+Staging = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+
+
 def megatron_tensor_to_hf(
-    name: str, tensor: torch.Tensor, arch: ModelArch
+    name: str, tensor: torch.Tensor, arch: ModelArch, staging: Staging | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """One full Megatron tensor (global layer index) -> its HF (name, tensor) pairs."""
+    """One full Megatron tensor (global layer index) -> its HF (name, tensor) pairs. Most are views of
+    ``tensor``; what must be converted (q/k/v, split out of the fused layout) is new, or written into
+    ``staging(hf_name, shape, dtype)``'s tensor when given (a push's shared-memory buffers)."""
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", tensor[: arch.vocab_size])]
     if name == "output_layer.weight":
@@ -170,8 +181,13 @@ def megatron_tensor_to_hf(
     hf, suffix = f"model.layers.{m.group(1)}.", m.group(2)
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
-        q, k, v = split_qkv(tensor, arch)
-        return [(f"{hf}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v), strict=True)]
+        names = [f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"]
+        out = None
+        if staging is not None and tensor.device.type == "cpu":  # shared memory is host memory
+            d, g = arch.head_dim, arch.num_kv_heads
+            rows = (arch.num_heads * d, g * d, g * d)
+            out = [staging(n, (r, *tensor.shape[1:]), tensor.dtype) for n, r in zip(names, rows, strict=True)]
+        return list(zip(names, split_qkv(tensor, arch, out), strict=True))
     if suffix == "mlp.linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
         return [(hf + "mlp.gate_proj.weight", gate.contiguous()), (hf + "mlp.up_proj.weight", up.contiguous())]
@@ -273,18 +289,18 @@ def load_hf_checkpoint_into(model: nn.Module, hf_path: str | Path) -> None:
     load_megatron_state_into(inner, full)
 
 
-def iter_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model: nn.Module, staging: Staging | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream this PP stage's weights as (HF name, full tensor), all-gathering TP shards.
 
     Every rank of the TP group must iterate (the gathers are collectives); all get full tensors.
-    Replicated tensors (norms) are views of the live parameters: copy them (e.g. into a bucket)
-    before the next optimizer step.
+    Most tensors (all but q/k/v at TP = 1) are views of the live parameters: copy them (e.g. into a
+    bucket) before the next optimizer step. ``staging``: see ``megatron_tensor_to_hf``.
     """
     inner = unwrap(model)
     offset = _layer_offset(inner)
     for name, param in inner.named_parameters():
         key = _to_global(name, offset)
-        yield from megatron_tensor_to_hf(key, gather_tp(key, param, param.detach()), inner.arch)
+        yield from megatron_tensor_to_hf(key, gather_tp(key, param, param.detach()), inner.arch, staging)
 
 
 def gather_tp(key: str, param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:

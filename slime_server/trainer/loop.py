@@ -543,6 +543,7 @@ class TrainLoop:
                 stats = self.trainer.push_weights(urls, self.state.version, self.settings.bucket_bytes)
         self.on_event("weights_pushed", {"version": self.state.version, "engines": len(urls),
                                          "seconds": stats.get("seconds"), "bytes": stats.get("bytes"),
+                                         "referenced_bytes": stats.get("referenced_bytes"),
                                          "mode": stats.get("mode")})
         return stats
 

@@ -15,13 +15,16 @@ every rank returns the same answer, as with PP = 1.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from slime_server.trainer.packing import MicroBatch
+
+if TYPE_CHECKING:
+    from slime_server.trainer.convert import Staging
 
 
 def pipeline_size() -> int:
@@ -95,7 +98,7 @@ def gather_stages(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return merged
 
 
-def pipeline_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def pipeline_hf_tensors(model: nn.Module, staging: Staging | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model's HF-named tensors on the push sender (first stage, TP rank 0, DP rank 0), streamed stage
     by stage: each later stage's TP rank 0 of DP rank 0 sends its tensors to its pipeline's first rank, a header
     (name, or None at the stage's end) then the tensor. Every other rank takes part in its own stage's TP
@@ -105,7 +108,7 @@ def pipeline_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     from slime_server.trainer.convert import iter_hf_tensors
 
     if pipeline_size() == 1:
-        yield from iter_hf_tensors(model)
+        yield from iter_hf_tensors(model, staging)
         return
     group = ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)  # global ranks of this pipeline's stages, in order
@@ -114,7 +117,7 @@ def pipeline_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     relay = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     for stage in range(pipeline_size()):
         if stage == pp_rank:
-            for name, tensor in iter_hf_tensors(model):
+            for name, tensor in iter_hf_tensors(model, staging if stage == 0 else None):
                 if stage == 0:
                     yield name, tensor
                 elif relay:

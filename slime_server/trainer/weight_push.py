@@ -4,8 +4,12 @@ One pusher, two transports, chosen by where the engines are (``mode="auto"``):
 - **tensor** (engines on this host, e.g. colocated): each bucket is packed once into a reusable shared
   buffer (``weights.SharedArena``: shared memory on CPU, device memory on GPU) and handed over by
   reference with ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``; one payload per
-  engine TP rank: CUDA IPC handles on GPU, shared-memory file names on CPU). Engines are updated one
-  after another (``rolling``): while one is paused the others keep serving.
+  engine TP rank: CUDA IPC handles on GPU, shared-memory file names on CPU). CPU tensors that already
+  live in shared memory (a sender rank's parameters: ``weights.share_in_place``) are not packed: they go
+  in buckets of their own as (name, tensor) pairs (SGLang's default format), by file name and offset, and
+  the engine copies straight from them; they must not change until ``push`` returns (a rank trains only
+  after its push). Engines are updated one after another (``rolling``): while one is paused the others
+  keep serving.
 - **distributed** (engines elsewhere): the trainer's rank 0 and every engine rank form one process
   group (``/init_weights_update_group``, SGLang's rendezvous; NCCL on GPU, gloo on CPU); per bucket
   every engine gets ``/update_weights_from_distributed`` and rank 0 broadcasts ONE flat tensor. All
@@ -50,6 +54,7 @@ from slime_server.utils.net import address_towards, is_local_host
 from slime_server.weights import (
     DEFAULT_BUCKET_BYTES,
     FLATTENED_BUCKET,
+    ByteGrouper,
     FlatMeta,
     SharedArena,
     close_weight_group,
@@ -57,7 +62,6 @@ from slime_server.weights import (
     fill_flat,
     flat_size,
     flattened_payload,
-    group_by_bytes,
     host_weight_rendezvous,
     layout_of,
     nbytes,
@@ -88,6 +92,8 @@ class PushStats(BaseModel):
     tensors: int = 0
     bytes: int = Field(0, description="payload bytes of the tensors")
     buckets: int = 0
+    referenced_bytes: int = Field(0, description="bytes the engines copied straight from tensors already in "
+                                  "shared memory (tensor path), not packed into a bucket first")
     pack_seconds: float = 0.0
     seconds: float = 0.0
     gbps: float = 0.0
@@ -153,15 +159,22 @@ def http_error_text(response: httpx.Response) -> str:
 
 
 class _Bucket:
-    """One packed bucket: its flat buffer, layout, and (tensor path) the per-engine payloads."""
+    """One bucket: packed (its flat buffer and layout), or (``named``) tensors that already live in shared
+    memory, handed over in place; and (tensor path) the payload sent for it."""
 
-    def __init__(self, flat: torch.Tensor, metas: list[FlatMeta]) -> None:
-        self.flat, self.metas = flat, metas
+    def __init__(self, flat: torch.Tensor | None, metas: list[FlatMeta],
+                 named: list[tuple[str, torch.Tensor]] | None = None) -> None:
+        self.flat, self.metas, self.named = flat, metas, named
         self.payload: str | None = None
 
     @property
     def nbytes(self) -> int:
-        return flat_size(self.metas)
+        return flat_size(self.metas) if self.named is None else sum(nbytes(t) for _, t in self.named)
+
+
+def in_shared_memory(t: torch.Tensor) -> bool:
+    """A CPU tensor whose storage is a shared-memory file already: it pickles as the file's name, no copy."""
+    return t.device.type == "cpu" and t.is_shared()
 
 
 class WeightPusher:
@@ -204,6 +217,7 @@ class WeightPusher:
         self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key))  # SGLang's --api-key
         self._pool = ThreadPoolExecutor(max_workers=len(self.engine_urls) + 1, thread_name_prefix="weight-push")
         self._arena = SharedArena(shared=True)
+        self._pack_s, self._ref_bytes = 0.0, 0
         self._group: Any = None
         self._group_name = ""
         self.rendezvous_port: int | None = None  # the last group's (closed once it formed)
@@ -263,7 +277,8 @@ class WeightPusher:
         engines = [EnginePushStats(url=u, seconds=spent[u], gbps=gb / spent[u] if spent[u] else 0.0,
                                    weight_version=versions[u]) for u in self.engine_urls]
         return PushStats(version=ver, sent=True, mode=self.mode, tensors=counted.count, bytes=counted.bytes,
-                         buckets=n_buckets, pack_seconds=self._pack_s, seconds=total_s,
+                         buckets=n_buckets, referenced_bytes=self._ref_bytes, pack_seconds=self._pack_s,
+                         seconds=total_s,
                          gbps=gb / total_s if total_s else 0.0, engines=engines)
 
     def versions(self) -> dict[str, str | None]:
@@ -272,26 +287,49 @@ class WeightPusher:
 
     # ------------------------------------------------------------------ packing
     def _pack(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[_Bucket]:
-        """Buckets of at most ``bucket_bytes`` packed into the arena (one copy per tensor), lazily."""
-        self._pack_s = 0.0
-        it = group_by_bytes(named, self.bucket_bytes)
+        """Buckets of at most ``bucket_bytes``, lazily. On the tensor path, tensors already in shared memory (a
+        trainer's parameters, ``weights.share_in_place``) go in buckets of their own, by reference: the engine
+        copies straight from them, the push's only copy. Every other tensor is packed into the arena (one copy
+        per tensor), as the broadcast path packs everything."""
+        self._pack_s, self._ref_bytes = 0.0, 0
+        by_ref = self.mode == "tensor"
+        packed, referenced = ByteGrouper(self.bucket_bytes), ByteGrouper(self.bucket_bytes, aligned=False)
         index = 0
+        it = iter(named)
         while True:
             t0 = time.perf_counter()
-            group = next(it, None)
-            if group is None:
+            item = next(it, None)
+            if item is None:
+                # the tensors in place first: packing the rest overlaps the engine's copy of them
+                ready = [(referenced.flush(), True), (packed.flush(), False)]
+            else:
+                ref = by_ref and in_shared_memory(item[1])
+                ready = [((referenced if ref else packed).add(*item), ref)]
+            for group, ref in ready:
+                if group is None:
+                    continue
+                if ref:
+                    self._ref_bytes += sum(nbytes(t) for _, t in group)
+                    bucket = _Bucket(None, layout_of(group), named=[(n, t.detach()) for n, t in group])
+                else:
+                    bucket = self._packed(group, index)
+                    index += 1
                 self._pack_s += time.perf_counter() - t0
-                return
-            metas = layout_of(group)
-            device = group[0][1].device
-            if device.type == "cpu":
-                flat = self._arena.buffer(index, flat_size(metas))
-            else:  # GPU: a device buffer (IPC handle / NCCL broadcast source)
-                flat = torch.empty(flat_size(metas), dtype=torch.uint8, device=device)
-            fill_flat(flat, group, metas)
+                yield bucket
+                t0 = time.perf_counter()
             self._pack_s += time.perf_counter() - t0
-            index += 1
-            yield _Bucket(flat, metas)
+            if item is None:
+                return
+
+    def _packed(self, group: list[tuple[str, torch.Tensor]], index: int) -> _Bucket:
+        metas = layout_of(group)
+        device = group[0][1].device
+        if device.type == "cpu":
+            flat = self._arena.buffer(index, flat_size(metas))
+        else:  # GPU: a device buffer (IPC handle / NCCL broadcast source)
+            flat = torch.empty(flat_size(metas), dtype=torch.uint8, device=device)
+        fill_flat(flat, group, metas)
+        return _Bucket(flat, metas)
 
     # ------------------------------------------------------------------ HTTP
     def _post(self, url: str, path: str, body: BaseModel | None, spent: dict[str, float] | None = None) -> None:
@@ -334,6 +372,13 @@ class WeightPusher:
     # ------------------------------------------------------------------ tensor path
     def _tensor_req(self, b: _Bucket, url: str, last: bool, version: str) -> UpdateWeightsFromTensorReqInput:
         tp = self._tp_now[self.engine_urls.index(url)]
+        if b.named is not None:  # tensors in shared memory, by name and offset: SGLang's default format
+            if b.payload is None:
+                b.payload = serialize(b.named)
+            return UpdateWeightsFromTensorReqInput(serialized_named_tensors=[b.payload] * tp, load_format=None,
+                                                   flush_cache=last and self._flush_last,
+                                                   weight_version=version if last else None)
+        assert b.flat is not None
         if b.flat.device.type == "cpu":
             if b.payload is None:  # serialised once: a CPU payload names a shared file and can be read many times
                 b.payload = serialize(flattened_payload(b.flat, b.metas))
@@ -348,7 +393,7 @@ class WeightPusher:
 
     def _send_tensor(self, url: str, b: _Bucket, last: bool, version: str, spent: dict[str, float]) -> None:
         self._post(url, "/update_weights_from_tensor", self._tensor_req(b, url, last, version), spent)
-        if b.flat.is_cuda:
+        if b.flat is not None and b.flat.is_cuda:
             torch.cuda.ipc_collect()  # release the IPC handles the engine has closed
 
     def _push_tensor(self, buckets: Iterator[_Bucket], version: str, spent: dict[str, float],
