@@ -383,23 +383,31 @@ class _Mappings:
         self.cap = cap
         self._lock = threading.Lock()
         self._maps: dict[str, torch.Tensor] = {}
+        self._bytes = 0  # of everything in _maps: a push of a trainer's parameters names hundreds of files
 
     def get(self, name: str, nbytes: int) -> torch.Tensor:
         import os
 
         path = os.path.join("/dev/shm", name)
         with self._lock:
-            data = self._maps.pop(name, None)
+            data = self._drop(name)
             if data is None or data.numel() != nbytes:
-                # a new file: drop the mappings of files that are gone first (checked on a miss only: a push of a
-                # trainer's parameters names hundreds of files, and a check per hit made it quadratic)
+                # a new file: first drop the mappings of files that are gone (on a miss only: checking on every
+                # hit made a push of hundreds of parameter files quadratic)
                 for gone in [n for n in self._maps if not os.path.exists(os.path.join("/dev/shm", n))]:
-                    del self._maps[gone]
+                    self._drop(gone)
                 data = _map_shm(path, nbytes)
             self._maps[name] = data  # most recent last
-            while len(self._maps) > 1 and sum(t.numel() for t in self._maps.values()) > self.cap:
-                del self._maps[next(iter(self._maps))]
+            self._bytes += data.numel()
+            while len(self._maps) > 1 and self._bytes > self.cap:
+                self._drop(next(iter(self._maps)))
             return data
+
+    def _drop(self, name: str) -> torch.Tensor | None:
+        data = self._maps.pop(name, None)
+        if data is not None:
+            self._bytes -= data.numel()
+        return data
 
 
 def _map_shm(path: str, nbytes: int) -> torch.Tensor:

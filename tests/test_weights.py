@@ -157,3 +157,32 @@ def test_unaligned_tensors_start_a_new_bucket():
         weights.layout_of(g)
     with pytest.raises(ValueError, match="not aligned"):
         weights.layout_of(named)
+
+
+def test_shm_mappings_are_kept_evicted_by_size_and_dropped_when_gone() -> None:
+    """The engine's cache of mapped shared-memory files (``weights._Mappings``): a file named again is not mapped
+    again (hundreds of parameter files per push), the least recently used go beyond ``cap`` bytes, a file that is
+    gone is dropped at the next miss, and the byte count stays exact through all of it."""
+    import gc
+
+    def shared(fill: float) -> tuple[torch.Tensor, str, int]:
+        t = torch.full((2**18,), fill)  # 1 MiB
+        weights.share_in_place([t])
+        with weights.sharing_strategy("file_system"):
+            _, handle, size = t.untyped_storage()._share_filename_cpu_()
+        return t, handle.decode().lstrip("/"), int(size)
+
+    (a, na, sa), (_b, nb, sb), (c, nc, sc) = shared(1.0), shared(2.0), shared(3.0)  # kept alive: files stay
+    m = weights._Mappings(cap=int(2.5 * 2**20))
+    got_a = m.get(na, sa)
+    assert torch.equal(got_a[-sa:].view(torch.float32), a)  # the file's bytes, after torch's header
+    got_b = m.get(nb, sb)
+    assert m.get(na, sa) is got_a and m._bytes == got_a.numel() + got_b.numel()  # a hit maps nothing again
+    m.get(nc, sc)  # over the cap: b, the least recently used, goes
+    assert list(m._maps) == [na, nc] and m._bytes == sum(t.numel() for t in m._maps.values())
+    del c
+    gc.collect()  # its storage freed: torch unlinks the file
+    d, nd, sd = shared(4.0)
+    m.get(nd, sd)  # a miss: the gone file's mapping is dropped first
+    assert nc not in m._maps and list(m._maps) == [na, nd]
+    assert m._bytes == sum(t.numel() for t in m._maps.values())
