@@ -142,8 +142,6 @@ def load_engine_model(model_path: str, dtype: torch.dtype, lean: bool) -> Engine
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
-    eos = _eos_ids(path, model.config)
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
-    return EngineModel(config=model.config, params=dict(model.state_dict(keep_vars=True)), eos_ids=eos,
-                       hf_model=model)
+    # HF's generation_config is generation_config.json when there is one, else the model config's: _eos_ids reads both
+    return EngineModel(config=model.config, params=dict(model.state_dict(keep_vars=True)),
+                       eos_ids=_eos_ids(path, model.config), hf_model=model)

@@ -310,7 +310,7 @@ class WeightPusher:
                     continue
                 if ref:
                     self._ref_bytes += sum(nbytes(t) for _, t in group)
-                    bucket = _Bucket(None, layout_of(group), named=[(n, t.detach()) for n, t in group])
+                    bucket = _Bucket(None, [], named=[(n, t.detach()) for n, t in group])  # no flat layout
                 else:
                     bucket = self._packed(group, index)
                     index += 1
