@@ -180,13 +180,22 @@ def test_a_stalled_lock_holder_gives_store_unavailable_not_a_hang(db_url: str) -
         store.close()
 
 
+def test_statements_are_written_once_for_both_databases() -> None:
+    """The stores write SQLite's parameters; the Postgres connection translates them, literal % included."""
+    from slime_server.buffer.sql import to_pyformat
+
+    assert to_pyformat("SELECT * FROM t WHERE a = ? AND b IN (?, ?)") == "SELECT * FROM t WHERE a = %s AND b IN (%s, %s)"
+    assert to_pyformat("UPDATE t SET x = :x WHERE id = :id AND s LIKE 'a%'") == (
+        "UPDATE t SET x = %(x)s WHERE id = %(id)s AND s LIKE 'a%%'")
+
+
 def test_deadlocks_are_retried_whole_then_reported_busy(store: PostgresTrajectoryStore) -> None:
     calls: list[int] = []
 
     def flaky(conn: Any) -> str:
         calls.append(1)
         conn.execute("INSERT INTO sessions (id, metadata, status, created_at, updated_at) "
-                     "VALUES (%s, '{}', 'open', 0, 0)", (f"try-{len(calls)}",))
+                     "VALUES (?, '{}', 'open', 0, 0)", (f"try-{len(calls)}",))
         if len(calls) < 3:
             raise psycopg.errors.DeadlockDetected("deadlock detected")
         return "done"

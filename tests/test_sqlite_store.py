@@ -226,6 +226,18 @@ def test_release_puts_back_only_the_jobs_own_later_steps(store: SQLiteTrajectory
     assert store.release_consumed(2, "job-a") == 0  # idempotent
 
 
+def test_a_closing_turn_stamps_every_trajectory_it_finishes(store: SQLiteTrajectoryStore) -> None:
+    """A turn that closes its session finishes the session's other open trajectories in the same write,
+    and stamps them with that write's time (the SQLite copy of the store once left their updated_at)."""
+    store.create_session("s")
+    first = _write(store, _traj("s", [-0.5]))
+    last = _write(store, _traj("s", [-0.25], response_id="chatcmpl-2", segment=1), close=True)
+    before = store.get_trajectory(first.id)
+    assert (before.status, last.status) == ("finished", "finished")
+    assert before.updated_at == last.updated_at > first.updated_at
+    assert before.revision == first.revision + 1
+
+
 def test_schema_is_versioned_and_reopen_keeps_data(tmp_path: Path) -> None:
     path = tmp_path / "v.db"
     s = SQLiteTrajectoryStore(path)
@@ -303,3 +315,50 @@ def test_stored_responses_round_trip_and_replace(store: SQLiteTrajectoryStore) -
     again = type(store)(getattr(store, "url", None) or store.path)  # durable: another connection reads it
     assert again.get_stored_response("resp_1").body == body
     again.close()
+
+
+def test_a_database_written_before_jobs_and_keys_were_versioned_opens_and_keeps_them(tmp_path: Path) -> None:
+    """Schema version 6 folded the job and key tables (which their stores used to create on open) into the
+    one migration list: a database from before, with those tables and rows in it, opens at version 6 with
+    every row kept, whichever store opens it first."""
+    from slime_server.buffer.job_store import SQLiteJobStore
+    from slime_server.buffer.key_store import SQLiteKeyStore
+    from slime_server.buffer.migrations import MIGRATIONS
+    from slime_server.buffer.sql import SQLITE
+
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, applied_at REAL NOT NULL)")
+    for version, migration in enumerate(MIGRATIONS[:5], 1):
+        conn.executescript(migration.format_map(SQLITE.ddl))
+        conn.execute("INSERT INTO schema_migrations VALUES (?, 0)", (version,))
+    conn.executescript("""  -- the job and key stores' own tables, as they created them on open before version 6
+        CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, status TEXT NOT NULL,
+            state TEXT NOT NULL, error TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+        CREATE TABLE IF NOT EXISTS job_metrics (job_id TEXT NOT NULL REFERENCES jobs(id), step INTEGER NOT NULL,
+            t REAL NOT NULL, metrics TEXT NOT NULL, PRIMARY KEY (job_id, step));
+        CREATE TABLE IF NOT EXISTS job_events (seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL
+            REFERENCES jobs(id), t REAL NOT NULL, kind TEXT NOT NULL, data TEXT NOT NULL);
+        CREATE TABLE IF NOT EXISTS api_keys (id TEXT PRIMARY KEY, role TEXT NOT NULL, name TEXT NOT NULL,
+            key_hash TEXT NOT NULL, created_at REAL NOT NULL, revoked_at REAL);
+        INSERT INTO jobs VALUES ('job-old', '{}', 'done', '{"step": 7}', NULL, 1.0, 2.0);
+        INSERT INTO job_events (job_id, t, kind, data) VALUES ('job-old', 1.5, 'step', '{}');
+        INSERT INTO api_keys VALUES ('k1', 'agent', 'bot', 'h', 1.0, NULL);
+        INSERT INTO sessions (id, metadata, status, created_at, updated_at) VALUES ('s-old', '{}', 'open', 1, 1);
+    """)
+    conn.commit()
+    conn.close()
+    jobs = SQLiteJobStore(path)  # the job store opens it first, as `serve` does after the trajectory store
+    try:
+        assert jobs.get_job("job-old").state == {"step": 7}
+        assert [e.seq for e in jobs.events("job-old")] == [1] and jobs.add_event("job-old", "x", {}).seq == 2
+    finally:
+        jobs.close()
+    keys, store = SQLiteKeyStore(path), SQLiteTrajectoryStore(path)
+    try:
+        assert [k.id for k in keys.list()] == ["k1"]
+        assert store.schema_version() == 6 and store.get_session("s-old").status == "open"
+        assert store.integrity_check() == "ok"
+    finally:
+        keys.close()
+        store.close()

@@ -26,6 +26,8 @@ from slime_server.api.partial import (
 )
 from slime_server.api.reasoning import ReasoningParser, get_reasoning_parser
 from slime_server.api.tool_parsers import ToolCallParser, get_tool_parser
+from slime_server.buffer.key_store import KeyStore
+from slime_server.buffer.store import TrajectoryStore
 from slime_server.config import GatewaySettings
 from slime_server.rollout.protocol import GenerateOutput
 
@@ -42,10 +44,10 @@ class Gateway:
     engine: EngineClient
     renderer: Any  # slime_server.api.chat_template.ChatRenderer
     sessions: Any  # slime_server.sessions.SessionManager
-    store: Any  # slime_server.buffer.store.TrajectoryStore
+    store: TrajectoryStore
     jobs: Any = None  # slime_server.jobs.manager.JobManager when a trainer is attached (serve); None: serving only
     feedback: Any = None  # slime_server.online.feedback.ImplicitFeedback with `serve --online`
-    keys: Any = None  # slime_server.buffer.key_store.SQLiteKeyStore: minted agent/admin keys
+    keys: KeyStore | None = None  # minted agent/admin keys
     inflight: InflightRegistry = field(default_factory=InflightRegistry)
     tool_parser: ToolCallParser = field(init=False)
     reasoning: ReasoningParser | None = field(init=False)

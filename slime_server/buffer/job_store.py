@@ -1,8 +1,9 @@
-"""Durable job state: the job record, its metrics over time and its event log (SQLite, same file).
+"""Durable job state: the job record, its metrics over time and its event log, beside the trajectories.
 
-Why beside the trajectories: a restarted server must find its jobs, their last checkpoint and
-their history where it finds the data they train on; one file is one thing to back up. Tables are
-created on open (``IF NOT EXISTS``), so an existing trajectory database gains them in place.
+Why beside them (same SQLite file, or same Postgres database): a restarted server, on whichever host
+runs the trainer next, must find its jobs, their last checkpoint and their history where it finds the
+data they train on; one database is one thing to back up. The tables are part of the one schema
+(``migrations.py``); the store is the same code on both databases (``sql.Database``).
 """
 
 from __future__ import annotations
@@ -14,20 +15,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from slime_server.buffer.sqlite_conn import ThreadConnections
+from slime_server.buffer.migrations import migrated
+from slime_server.buffer.sql import Database, Tx
+from slime_server.buffer.sqlite_conn import SQLiteDatabase
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY, spec TEXT NOT NULL, status TEXT NOT NULL, state TEXT NOT NULL,
-    error TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS job_metrics (
-    job_id TEXT NOT NULL REFERENCES jobs(id), step INTEGER NOT NULL, t REAL NOT NULL, metrics TEXT NOT NULL,
-    PRIMARY KEY (job_id, step));
-CREATE TABLE IF NOT EXISTS job_events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL REFERENCES jobs(id), t REAL NOT NULL,
-    kind TEXT NOT NULL, data TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS job_events_job ON job_events (job_id, seq);
-"""
+_JOB_COLUMNS = "id, spec, status, state, error, created_at, updated_at"
 
 
 class JobRow(BaseModel):
@@ -53,24 +45,23 @@ class EventRow(BaseModel):
     data: dict[str, Any]
 
 
-class SQLiteJobStore:
-    """Jobs, metrics and events; every write is committed (``synchronous=FULL``) before it returns."""
+def _job(r: Any) -> JobRow:
+    return JobRow(id=r["id"], spec=json.loads(r["spec"]), status=r["status"], state=json.loads(r["state"]),
+                  error=r["error"], created_at=r["created_at"], updated_at=r["updated_at"])
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        self._db = ThreadConnections(self.path)
-        self._conn, self._tx = self._db.conn, self._db.write
-        with self._tx() as conn:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    conn.execute(statement)
+
+class JobStore:
+    """Jobs, metrics and events over ``db``; every write is committed before it returns."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = migrated(db)
 
     # ---------------------------------------------------------------- jobs
     def insert_job(self, job_id: str, spec: dict[str, Any], status: str, state: dict[str, Any]) -> JobRow:
         t = time.time()
-        with self._tx() as conn:
-            conn.execute("INSERT INTO jobs (id, spec, status, state, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?)",
-                         (job_id, json.dumps(spec), status, json.dumps(state), t, t))
+        self._db.write(lambda tx: tx.execute(
+            "INSERT INTO jobs (id, spec, status, state, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (job_id, json.dumps(spec), status, json.dumps(state), t, t)))
         return JobRow(id=job_id, spec=spec, status=status, state=state, created_at=t, updated_at=t)
 
     def update_job(self, job_id: str, *, status: str | None = None, state: dict[str, Any] | None = None,
@@ -85,47 +76,50 @@ class SQLiteJobStore:
         if error is not None:
             sets.append("error = ?")
             args.append(error)
-        with self._tx() as conn:
-            conn.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id))
-
-    @staticmethod
-    def _row(r: tuple) -> JobRow:
-        return JobRow(id=r[0], spec=json.loads(r[1]), status=r[2], state=json.loads(r[3]), error=r[4],
-                      created_at=r[5], updated_at=r[6])
+        self._db.write(lambda tx: tx.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id = ?", (*args, job_id)))
 
     def get_job(self, job_id: str) -> JobRow | None:
-        r = self._conn().execute("SELECT id, spec, status, state, error, created_at, updated_at FROM jobs "
-                                 "WHERE id = ?", (job_id,)).fetchone()
-        return self._row(r) if r else None
+        r = self._db.read(lambda tx: tx.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone())
+        return _job(r) if r else None
 
     def list_jobs(self) -> list[JobRow]:
-        rows = self._conn().execute("SELECT id, spec, status, state, error, created_at, updated_at FROM jobs "
-                                    "ORDER BY created_at").fetchall()
-        return [self._row(r) for r in rows]
+        rows = self._db.read(lambda tx: tx.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY created_at, id")
+                             .fetchall())
+        return [_job(r) for r in rows]
 
     # ---------------------------------------------------------------- metrics and events
     def add_metrics(self, job_id: str, step: int, metrics: dict[str, float]) -> None:
-        with self._tx() as conn:
-            conn.execute("INSERT OR REPLACE INTO job_metrics (job_id, step, t, metrics) VALUES (?, ?, ?, ?)",
-                         (job_id, step, time.time(), json.dumps(metrics)))
+        """A step's metrics; a replayed step (after a restart) replaces what the lost run wrote."""
+        self._db.write(lambda tx: tx.execute(
+            "INSERT INTO job_metrics (job_id, step, t, metrics) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (job_id, step) DO UPDATE SET t = excluded.t, metrics = excluded.metrics",
+            (job_id, step, time.time(), json.dumps(metrics))))
 
     def metrics(self, job_id: str, since_step: int = 0) -> list[MetricsRow]:
-        rows = self._conn().execute("SELECT step, t, metrics FROM job_metrics WHERE job_id = ? AND step > ? "
-                                    "ORDER BY step", (job_id, since_step)).fetchall()
-        return [MetricsRow(step=r[0], t=r[1], metrics=json.loads(r[2])) for r in rows]
+        rows = self._db.read(lambda tx: tx.execute(
+            "SELECT step, t, metrics FROM job_metrics WHERE job_id = ? AND step > ? ORDER BY step",
+            (job_id, since_step)).fetchall())
+        return [MetricsRow(step=r["step"], t=r["t"], metrics=json.loads(r["metrics"])) for r in rows]
 
     def add_event(self, job_id: str, kind: str, data: dict[str, Any]) -> EventRow:
         t = time.time()
-        with self._tx() as conn:
-            cur = conn.execute("INSERT INTO job_events (job_id, t, kind, data) VALUES (?, ?, ?, ?)",
-                               (job_id, t, kind, json.dumps(data, default=str)))
-            seq = int(cur.lastrowid or 0)
-        return EventRow(seq=seq, t=t, kind=kind, data=data)
+
+        def run(tx: Tx) -> int:
+            return int(tx.execute("INSERT INTO job_events (job_id, t, kind, data) VALUES (?, ?, ?, ?) RETURNING seq",
+                                  (job_id, t, kind, json.dumps(data, default=str))).fetchone()["seq"])
+        return EventRow(seq=self._db.write(run), t=t, kind=kind, data=data)
 
     def events(self, job_id: str, after_seq: int = 0) -> list[EventRow]:
-        rows = self._conn().execute("SELECT seq, t, kind, data FROM job_events WHERE job_id = ? AND seq > ? "
-                                    "ORDER BY seq", (job_id, after_seq)).fetchall()
-        return [EventRow(seq=r[0], t=r[1], kind=r[2], data=json.loads(r[3])) for r in rows]
+        rows = self._db.read(lambda tx: tx.execute(
+            "SELECT seq, t, kind, data FROM job_events WHERE job_id = ? AND seq > ? ORDER BY seq",
+            (job_id, after_seq)).fetchall())
+        return [EventRow(seq=r["seq"], t=r["t"], kind=r["kind"], data=json.loads(r["data"])) for r in rows]
 
     def close(self) -> None:
         self._db.close()
+
+
+class SQLiteJobStore(JobStore):
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        super().__init__(SQLiteDatabase(self.path))

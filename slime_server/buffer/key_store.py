@@ -13,20 +13,18 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from slime_server.buffer.sqlite_conn import ThreadConnections
+from slime_server.buffer.migrations import migrated
+from slime_server.buffer.sql import Database, Tx
+from slime_server.buffer.sqlite_conn import SQLiteDatabase
 
 KeyRole = Literal["agent", "admin"]
 KEY_PREFIX = "sk-slime-"
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS api_keys (
-    id TEXT PRIMARY KEY, role TEXT NOT NULL, name TEXT NOT NULL, key_hash TEXT NOT NULL,
-    created_at REAL NOT NULL, revoked_at REAL);
-"""
+_COLUMNS = "id, role, name, key_hash, created_at, revoked_at"
 
 
 class ApiKeyRecord(BaseModel):
@@ -55,44 +53,48 @@ def parse_key(token: str) -> tuple[str, str] | None:
     return (key_id, secret) if dot and key_id and secret else None
 
 
-class SQLiteKeyStore:
-    """Mint, verify, list and revoke keys; each write committed before it returns."""
+class KeyStore:
+    """Mint, verify, list and revoke keys over ``db``; each write committed before it returns. Lookups are
+    not cached: a key revoked through one replica is refused by all of them at their next request."""
 
-    def __init__(self, path: str | Path) -> None:
-        self._db = ThreadConnections(str(path))
-        with self._db.write() as conn:
-            conn.execute(_SCHEMA)
+    def __init__(self, db: Database) -> None:
+        self._db = migrated(db)
 
     def mint(self, role: KeyRole, name: str = "") -> MintedKey:
         key_id, secret = uuid.uuid4().hex[:16], secrets.token_urlsafe(32)
         record = ApiKeyRecord(id=key_id, role=role, name=name, created_at=time.time())
-        with self._db.write() as conn:
-            conn.execute("INSERT INTO api_keys (id, role, name, key_hash, created_at) VALUES (?, ?, ?, ?, ?)",
-                         (key_id, role, name, hash_secret(secret), record.created_at))
+        self._db.write(lambda tx: tx.execute(
+            "INSERT INTO api_keys (id, role, name, key_hash, created_at) VALUES (?, ?, ?, ?, ?)",
+            (key_id, role, name, hash_secret(secret), record.created_at)))
         return MintedKey(**record.model_dump(), key=f"{KEY_PREFIX}{key_id}.{secret}")
 
     def lookup(self, key_id: str) -> tuple[ApiKeyRecord, str] | None:
         """The record and stored hash of ``key_id`` (revoked ones included), or None."""
-        row = self._db.read(lambda c: c.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone())
-        if row is None:
-            return None
-        return _record(row), row["key_hash"]
+        row = self._db.read(lambda tx: tx.execute(f"SELECT {_COLUMNS} FROM api_keys WHERE id = ?",
+                                                  (key_id,)).fetchone())
+        return None if row is None else (_record(row), row["key_hash"])
 
     def list(self) -> list[ApiKeyRecord]:
-        rows = self._db.read(lambda c: c.execute("SELECT * FROM api_keys ORDER BY created_at").fetchall())
+        rows = self._db.read(lambda tx: tx.execute(f"SELECT {_COLUMNS} FROM api_keys ORDER BY created_at, id")
+                             .fetchall())
         return [_record(r) for r in rows]
 
     def revoke(self, key_id: str) -> ApiKeyRecord | None:
-        with self._db.write() as conn:
-            conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-                         (time.time(), key_id))
-            row = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        def run(tx: Tx) -> Any:
+            tx.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id))
+            return tx.execute(f"SELECT {_COLUMNS} FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        row = self._db.write(run)
         return _record(row) if row is not None else None
 
     def close(self) -> None:
         self._db.close()
 
 
-def _record(row) -> ApiKeyRecord:
+class SQLiteKeyStore(KeyStore):
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(SQLiteDatabase(str(path)))
+
+
+def _record(row: Any) -> ApiKeyRecord:
     return ApiKeyRecord(id=row["id"], role=row["role"], name=row["name"], created_at=row["created_at"],
                         revoked_at=row["revoked_at"])

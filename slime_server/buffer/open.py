@@ -11,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from slime_server.buffer.job_store import JobStore, SQLiteJobStore
+from slime_server.buffer.key_store import KeyStore, SQLiteKeyStore
+from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.buffer.store import TrajectoryStore
 
 
@@ -21,31 +24,25 @@ def is_postgres_url(url_or_path: str | Path) -> bool:
 def open_store(url_or_path: str | Path, **kwargs: Any) -> TrajectoryStore:
     """The trajectory store at ``url_or_path``; ``kwargs`` go to the store's constructor."""
     if is_postgres_url(url_or_path):
-        from slime_server.buffer.postgres_store import PostgresTrajectoryStore
+        from slime_server.buffer.postgres_store import PostgresTrajectoryStore  # psycopg: the postgres extra
 
         return PostgresTrajectoryStore(str(url_or_path), **kwargs)
-    from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
-
     return SQLiteTrajectoryStore(url_or_path, **kwargs)
 
 
-def open_job_store(url_or_path: str | Path) -> Any:
-    """``SQLiteJobStore`` or ``PostgresJobStore`` (same methods) for ``url_or_path``."""
+def open_job_store(url_or_path: str | Path) -> JobStore:
+    """The job store (``SQLiteJobStore`` or ``PostgresJobStore``) for ``url_or_path``."""
     if is_postgres_url(url_or_path):
-        from slime_server.buffer.postgres_job_store import PostgresJobStore
+        from slime_server.buffer.postgres_store import PostgresJobStore
 
         return PostgresJobStore(str(url_or_path))
-    from slime_server.buffer.job_store import SQLiteJobStore
-
     return SQLiteJobStore(url_or_path)
 
 
-def open_key_store(url_or_path: str | Path) -> Any:
-    """``SQLiteKeyStore`` or ``PostgresKeyStore`` (same methods) for ``url_or_path``."""
+def open_key_store(url_or_path: str | Path) -> KeyStore:
+    """The key store (``SQLiteKeyStore`` or ``PostgresKeyStore``) for ``url_or_path``."""
     if is_postgres_url(url_or_path):
-        from slime_server.buffer.postgres_key_store import PostgresKeyStore
+        from slime_server.buffer.postgres_store import PostgresKeyStore
 
         return PostgresKeyStore(str(url_or_path))
-    from slime_server.buffer.key_store import SQLiteKeyStore
-
     return SQLiteKeyStore(url_or_path)

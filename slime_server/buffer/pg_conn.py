@@ -1,4 +1,4 @@
-"""PostgreSQL connections with the transaction discipline every Postgres store here needs.
+"""PostgreSQL as a ``sql.Database``: connections with the transaction discipline every store needs.
 
 Why one helper (the counterpart of ``sqlite_conn.py``): the trajectory, job and key stores all
 need the same three things. (1) Every write is one transaction committed before it returns, with
@@ -34,6 +34,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from slime_server.buffer.schema import StoreUnavailable
+from slime_server.buffer.sql import POSTGRES, Params, to_pyformat
 
 T = TypeVar("T")
 Conn = psycopg.Connection[Any]
@@ -66,8 +67,24 @@ def unavailable(exc: BaseException, url: str) -> StoreUnavailable | None:
     return None
 
 
-class PgConnections:
-    """At most ``max_size`` connections; ``write(fn)`` / ``read(fn)`` run ``fn(conn)`` on one of them."""
+class PgTx:
+    """A connection that takes the stores' SQL (``?`` / ``:name`` parameters, ``sql.to_pyformat``)."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: Conn) -> None:
+        self.raw = raw
+
+    def execute(self, sql: str, params: Params | None = None) -> psycopg.Cursor[Any]:
+        if params is None:
+            return self.raw.execute(sql)  # type: ignore[arg-type]  # our own constant SQL
+        return self.raw.execute(to_pyformat(sql), params)  # type: ignore[arg-type]
+
+
+class PostgresDatabase:
+    """At most ``max_size`` connections; ``write(fn)`` / ``read(fn)`` run ``fn(tx)`` on one of them."""
+
+    dialect = POSTGRES
 
     def __init__(self, url: str, *, max_size: int = 8, timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
                  lock_timeout_s: float = 30.0) -> None:
@@ -129,24 +146,24 @@ class PgConnections:
         finally:
             self._slots.release()
 
-    def _run(self, fn: Callable[[Conn], T], begin: str | None) -> T:
+    def _run(self, fn: Callable[[PgTx], T], begin: str | None) -> T:
         """``begin`` None: no transaction (autocommit statements); else a transaction whose first statement it is."""
         for attempt in range(_RETRIES):
             try:
                 with self._connection() as conn:
                     if begin is None:
-                        return fn(conn)
+                        return fn(PgTx(conn))
                     with conn.transaction():
                         if begin:
-                            conn.execute(begin)
-                        return fn(conn)
+                            conn.execute(begin)  # type: ignore[arg-type]
+                        return fn(PgTx(conn))
             except psycopg.Error as e:
                 if not _retryable(e) or attempt == _RETRIES - 1:
                     raise
                 time.sleep(random.uniform(0, 0.005 * 2**attempt))  # back off so the winner finishes
         raise AssertionError("unreachable")
 
-    def _call(self, fn: Callable[[Conn], T], begin: str | None) -> T:
+    def _call(self, fn: Callable[[PgTx], T], begin: str | None) -> T:
         try:
             return self._run(fn, begin)
         except psycopg.Error as e:
@@ -155,14 +172,14 @@ class PgConnections:
                 raise fault from e
             raise
 
-    def write(self, fn: Callable[[Conn], T]) -> T:
+    def write(self, fn: Callable[[PgTx], T]) -> T:
         """Run ``fn`` in one read-write transaction, committed on return (run again whole on deadlock).
 
         If the connection breaks during COMMIT the outcome is unknown (as with any database): the
         caller gets ``StoreUnavailable`` and a retry of the same turn may then meet ``StaleWriteError``."""
         return self._call(fn, "")
 
-    def read(self, fn: Callable[[Conn], T], *, snapshot: bool = False) -> T:
+    def read(self, fn: Callable[[PgTx], T], *, snapshot: bool = False) -> T:
         """Run ``fn``'s reads; ``snapshot``: all its statements see one snapshot (REPEATABLE READ).
 
         Without ``snapshot`` each statement runs on its own (autocommit): a READ COMMITTED transaction

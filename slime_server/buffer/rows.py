@@ -1,4 +1,4 @@
-"""Row codecs shared by the SQLite and Postgres trajectory stores.
+"""Row codecs of the trajectory store (the same on SQLite and PostgreSQL).
 
 Why one module: both stores lay a trajectory out the same way (little-endian token arrays, JSON
 for the rest), so a row moves between them byte for byte and they cannot drift apart. Rows are
@@ -70,13 +70,3 @@ def traj_params(t: Trajectory, revision: int, updated_at: float) -> dict[str, An
         "revision": revision, "created_at": t.created_at, "updated_at": updated_at, "old_revision": t.revision,
     }
 
-
-# The dashboard's session list (``recent_sessions``) in the SQL both stores speak; the limit's placeholder
-# (? or %s) is the store's to append.
-RECENT_SESSIONS_SQL = (
-    "SELECT s.id, s.status, s.group_id, s.created_at, s.updated_at, s.metadata, "
-    "(SELECT COUNT(*) FROM trajectories t WHERE t.session_id = s.id) AS num_trajectories, "
-    "(SELECT COALESCE(SUM(t.n_tokens), 0) FROM trajectories t WHERE t.session_id = s.id) AS num_tokens, "
-    "(SELECT t.reward FROM trajectories t WHERE t.session_id = s.id AND t.reward IS NOT NULL "
-    "ORDER BY t.seq DESC LIMIT 1) AS reward "
-    "FROM sessions s ORDER BY s.created_at DESC, s.id DESC LIMIT ")

@@ -34,12 +34,14 @@ class StoreError(Exception):
 
 
 class NotFoundError(StoreError, LookupError):
+    """An id the store has never seen: 404, and the store is unchanged."""
+
     status_code = 404
     code = "not_found"
 
 
 class SessionNotFound(NotFoundError):
-    code = "session_not_found"
+    code = "session_not_found"  # a session id in a header, a path or a reward
 
 
 class TrajectoryNotFound(NotFoundError):
@@ -58,12 +60,14 @@ class SessionForbidden(StoreError):
 
 
 class ConflictError(StoreError):
+    """The write contradicts what is stored; nothing of it was applied (the transaction rolled back)."""
+
     status_code = 409
     code = "conflict"
 
 
 class SessionClosedError(ConflictError):
-    code = "session_closed"
+    code = "session_closed"  # a turn for a session whose episode is over (a final reward, a close, idle)
 
 
 class SessionExistsError(ConflictError):

@@ -1,6 +1,6 @@
-"""Per-thread SQLite connections with the durability settings every store here needs.
+"""SQLite as a ``sql.Database``: per-thread connections with the durability settings every store needs.
 
-Why one helper: the trajectory store and the job store share a file and must agree on WAL,
+Why one helper: the trajectory, job and key stores share a file and must agree on WAL,
 ``synchronous=FULL`` (a returned commit survives a power cut) and ``BEGIN IMMEDIATE`` writes
 (concurrent writers queue instead of failing half-way). A disk that is full, read-only or failing
 surfaces as ``StoreUnavailable`` (503 at the gateway) after the transaction is rolled back, so a
@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from slime_server.buffer.schema import StoreUnavailable
+from slime_server.buffer.schema import StoreError, StoreUnavailable
+from slime_server.buffer.sql import SQLITE
 
 T = TypeVar("T")
+# The newest SQL the stores use: RETURNING (3.35); upserts (ON CONFLICT) came with 3.24.
+_MIN_SQLITE = (3, 35, 0)
 
 # Primary SQLite result codes that mean "the storage cannot serve this now", not "the request is wrong":
 # BUSY (the busy timeout ran out), READONLY, IOERR, FULL, CANTOPEN.
@@ -33,8 +35,15 @@ def unavailable(exc: BaseException) -> StoreUnavailable | None:
     return StoreUnavailable(f"the trajectory store is {_UNAVAILABLE[code & 0xFF]}: {exc}")
 
 
-class ThreadConnections:
+class SQLiteDatabase:
+    """One file; ``write(fn)`` / ``read(fn)`` run ``fn`` on this thread's connection, in a transaction."""
+
+    dialect = SQLITE
+
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
+        if sqlite3.sqlite_version_info < _MIN_SQLITE:
+            raise StoreError(f"SQLite {sqlite3.sqlite_version} is too old: the stores need "
+                             f"{'.'.join(map(str, _MIN_SQLITE))} or newer (Python's sqlite3 module links it)")
         self.path = str(path)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
@@ -69,19 +78,22 @@ class ThreadConnections:
             _raise_unavailable(e)
             raise
 
-    @contextmanager
-    def write(self) -> Iterator[sqlite3.Connection]:
+    def write(self, fn: Callable[[Any], T]) -> T:
+        """``fn(conn)`` in one transaction that holds the write lock from its start (``BEGIN IMMEDIATE``):
+        concurrent writers queue instead of failing half-way; committed (fsync) before it returns."""
         conn = self.conn()
         try:
             conn.execute("BEGIN IMMEDIATE")
-            yield conn
+            result = fn(conn)
             conn.execute("COMMIT")
+            return result
         except BaseException as e:
             _rollback(conn)
             _raise_unavailable(e)
             raise
 
-    def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def read(self, fn: Callable[[Any], T], *, snapshot: bool = False) -> T:
+        """``fn(conn)``'s reads in one transaction: SQLite gives them one snapshot whatever ``snapshot`` says."""
         conn = self.conn()
         try:
             conn.execute("BEGIN")

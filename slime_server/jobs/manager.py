@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slime_server.buffer.job_store import EventRow, JobRow, MetricsRow, SQLiteJobStore
+from slime_server.buffer.job_store import EventRow, JobRow, JobStore, MetricsRow
 from slime_server.buffer.store import TrajectoryStore
 from slime_server.job_logging import JobLog, WandbUnavailable, require_wandb
 from slime_server.jobs.metrics import JOB_DROPPED, JOB_METRIC, JOB_STEP, JOB_VERSION
@@ -57,7 +57,7 @@ class _Running:
 class JobManager:
     """Creates, controls, persists and restores jobs; answers the gateway's pacing question."""
 
-    def __init__(self, store: TrajectoryStore, jobs: SQLiteJobStore, make_trainer: MakeTrainer,
+    def __init__(self, store: TrajectoryStore, jobs: JobStore, make_trainer: MakeTrainer,
                  engine_urls: Callable[[], list[str]], work_dir: str | Path, *, served_model: str | None = None,
                  loop_hook: Callable[[TrainLoop], None] | None = None, gateway_url: str | None = None,
                  api_key: str | None = None, default_evals: list[tuple[str, str]] | None = None,
