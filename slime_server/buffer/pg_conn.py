@@ -60,7 +60,7 @@ def redact(url: str) -> str:
 
 def unavailable(exc: BaseException, url: str) -> StoreUnavailable | None:
     """``StoreUnavailable`` for an error caused by the database's state rather than the request, else None."""
-    if _retryable(exc):  # retried by ``PgConnections``; still failing: busy
+    if _retryable(exc):  # retried by ``PostgresDatabase``; still failing: busy
         return StoreUnavailable(f"the store at {redact(url)} is busy (transaction kept aborting): {exc}")
     if isinstance(exc, psycopg.OperationalError | pg_errors.ReadOnlySqlTransaction):
         return StoreUnavailable(f"the store at {redact(url)} is unavailable: {exc}")
