@@ -31,8 +31,8 @@ class Subcommand(Protocol):
 
 SUBCOMMANDS: dict[str, str] = {
     "engines": "slime_server.cli:EnginesCommand",
-    "serve": "slime_server.api.serve_cmd:ServeCommand",
-    "gateway": "slime_server.api.gateway_cmd:GatewayCommand",
+    "serve": "slime_server.server.serve_cmd:ServeCommand",
+    "gateway": "slime_server.server.gateway_cmd:GatewayCommand",
     "demo": "slime_server.demo:DemoCommand",
     "export": "slime_server.buffer.export:ExportCommand",
     "keys": "slime_server.buffer.keys_cli:KeysCommand",
@@ -183,7 +183,7 @@ class EnginesCommand:
         parser.add_argument("--log-dir", default=None, help="engine and router logs (default: a temp dir)")
 
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
-        from slime_server.launch import Deployment
+        from slime_server.server.launch import Deployment
 
         def start() -> Deployment:
             dep = Deployment.start(settings, log_dir=args.log_dir)

@@ -106,7 +106,7 @@ class GatewaySettings(_Section):
     cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API "
                                     "(CORS); empty = CORS off")
     tool_parser: str = Field("auto", description="auto (from the chat template) | hermes | qwen | llama3_json | mistral "
-                             "(see api/tool_parsers.py)")
+                             "(see gateway/tool_parsers.py)")
     tools_fallback: Literal["system_prompt", "error"] = Field(
         "system_prompt", description="tools sent to a model whose chat template ignores them: describe them in "
         "the system prompt (Hermes format), or answer 400 tools_not_supported")

@@ -89,9 +89,9 @@ def running_gateway(router_url: str, model_path: Path, db_path: Path, log_path: 
 def inprocess_gateway(router_url: str, model_path: Path, db_path: Path) -> Iterator[tuple[str, object]]:
     """The gateway app (``api/server.build_gateway``) served by uvicorn on a thread of this process (as ``serve``
     runs it); yields (base URL, app) for tests that reach into it (attach a JobManager, watch its store)."""
-    from slime_server.api.gateway_thread import GatewayThread
-    from slime_server.api.server import build_gateway
     from slime_server.config import GatewaySettings
+    from slime_server.server.build import build_gateway
+    from slime_server.server.gateway_thread import GatewayThread
     from slime_server.utils.net import find_free_port
 
     port = find_free_port()

@@ -43,7 +43,7 @@ def stack_settings(model: Path, work: Path, *, engines: int = 1, keys: bool = Tr
 def start_stack(model: Path, work: Path, **kw: Any) -> Any:
     """The whole stack of ``serve`` (engines, sgl-router, gateway, job manager) in this process; ``.stop()``
     it. Keyword arguments as for ``stack_settings``."""
-    from slime_server.api.serve_cmd import start_server
+    from slime_server.server.serve_cmd import start_server
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     settings = stack_settings(model, work, **kw)

@@ -8,9 +8,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_server.api.chat_template import ChatRenderer
 from slime_server.buffer.schema import Trajectory
-from slime_server.sessions import NOT_GENERATED, ChoiceResult
+from slime_server.gateway.chat_template import ChatRenderer
+from slime_server.gateway.sessions import NOT_GENERATED, ChoiceResult
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",

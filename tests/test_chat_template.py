@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from slime_server.api.chat_template import (
+from slime_server.gateway.chat_template import (
     ChatRenderer,
     ChatTemplateError,
     PrefixMismatchError,
@@ -150,7 +150,7 @@ def test_tools_a_template_ignores_go_into_the_system_prompt(toolless_model: Path
 
 
 def test_tools_a_template_ignores_are_refused_when_the_fallback_is_off(toolless_model: Path) -> None:
-    from slime_server.api.chat_template import ToolsNotSupportedError
+    from slime_server.gateway.chat_template import ToolsNotSupportedError
 
     r = ChatRenderer(toolless_model, tools_fallback="error")
     with pytest.raises(ToolsNotSupportedError, match="ignores tools") as info:

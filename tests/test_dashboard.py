@@ -146,7 +146,7 @@ def browser() -> Iterator[Any]:
 
 def test_page_asks_for_the_key_and_survives_a_bare_server(bare_app: Any, browser: Any) -> None:
     """No key: the page says what is missing. With the key typed in: no trainer, no router, still a page."""
-    from slime_server.api.gateway_thread import GatewayThread
+    from slime_server.server.gateway_thread import GatewayThread
 
     port = bare_app.state.gw.settings.port
     gateway = GatewayThread(bare_app, "127.0.0.1", port).start()

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from slime_server.config import EngineSettings, GatewaySettings, RaySettings, ServerSettings
-from slime_server.launch import Deployment
 from slime_server.rollout.actors import EngineActor, EngineSpec
 from slime_server.rollout.engine_auth import InsecureEngineError, auth_headers
+from slime_server.server.launch import Deployment
 from slime_server.utils.net import find_free_port, is_loopback
 from tests._rollout_helpers import generate_body
 
@@ -88,8 +88,8 @@ def test_router_demands_the_key_and_calls_engines_with_it(keyed: Deployment) -> 
 def test_gateway_serves_through_the_keyed_router(keyed: Deployment, tiny_model_path: Path, tmp_path: Path) -> None:
     from openai import OpenAI
 
-    from slime_server.api.gateway_thread import GatewayThread
-    from slime_server.api.server import build_gateway
+    from slime_server.server.build import build_gateway
+    from slime_server.server.gateway_thread import GatewayThread
 
     def chat(engine_api_key: str | None) -> tuple[int, str]:
         port = find_free_port()

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from slime_server.api.chat_template import ChatRenderer
 from slime_server.buffer.export import export_jsonl, export_parquet, read_jsonl
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
-from slime_server.sessions import SessionManager
+from slime_server.gateway.chat_template import ChatRenderer
+from slime_server.gateway.sessions import SessionManager
 from tests._sessions_helpers import FakeEngine, client_message
 
 

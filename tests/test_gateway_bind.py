@@ -12,7 +12,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from slime_server.api.gateway_thread import GatewayThread
+from slime_server.server.gateway_thread import GatewayThread
 
 
 def _app() -> Starlette:

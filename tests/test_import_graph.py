@@ -122,7 +122,7 @@ def test_the_walk_sees_imports_inside_functions() -> None:
     graph = import_graph()
     assert "slime_server.buffer.open" in graph["slime_server.buffer.keys_cli"]
     # serve_cmd imports launch only inside start_server (ray is heavy): still an edge
-    assert "slime_server.launch" in graph["slime_server.api.serve_cmd"]
+    assert "slime_server.server.launch" in graph["slime_server.server.serve_cmd"]
 
 
 def test_no_import_circle_inside_the_package() -> None:
@@ -134,3 +134,34 @@ def test_no_module_over_600_lines() -> None:
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _third_party(mod: str) -> set[str]:
+    """Top-level names of what ``mod`` imports from outside the package (inside functions too)."""
+    path = _modules()[mod]
+    names: set[str] = set()
+    for node in _imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names - {"slime_server"}
+
+
+def test_the_gateway_core_is_below_http() -> None:
+    """``gateway/`` (and everything it reaches in the package) imports no HTTP framework, and of ``api/`` only
+    the wire models; only commands (``slime-server serve``, ``demo``, ``train --local``) import ``server/``."""
+    graph = import_graph()
+    core = {m for m in graph if m.startswith("slime_server.gateway")}
+    reached, todo = set(core), list(core)
+    while todo:
+        for dep in graph[todo.pop()] - reached:
+            reached.add(dep)
+            todo.append(dep)
+    http = {m: sorted(_third_party(m) & {"fastapi", "starlette", "uvicorn", "sse_starlette"}) for m in reached}
+    assert not {m: h for m, h in http.items() if h}, "the gateway core reaches an HTTP framework"
+    assert {m for m in reached if m.startswith("slime_server.api")} <= {"slime_server.api.protocol"}
+    assert {m for m in reached if m.startswith("slime_server.server")} == set()
+    importers = {m for m, deps in graph.items() if any(d.startswith("slime_server.server") for d in deps)}
+    assert {m for m in importers if not m.startswith("slime_server.server")} <= {
+        "slime_server.cli", "slime_server.demo", "slime_server.jobs.cli"}, importers  # commands

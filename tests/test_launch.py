@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from slime_server.config import EngineSettings, RaySettings, RouterSettings, ServerSettings
-from slime_server.launch import Deployment
+from slime_server.server.launch import Deployment
 from tests._rollout_helpers import generate_body, pid_alive, served_generate_count
 
 pytest.importorskip("slime_server.rollout.engine_server", reason="the CPU engine is not in this tree yet")

@@ -120,8 +120,8 @@ def test_serve_wires_the_supervisor_guard_into_every_job_loop(store: SQLiteTraje
     """``serve``: ``attach_jobs(push_guard=supervisor.updating_weights)`` reaches each loop the manager builds."""
     from types import SimpleNamespace
 
-    from slime_server.api.serve_cmd import attach_jobs
     from slime_server.config import GatewaySettings, ServerSettings
+    from slime_server.server.serve_cmd import attach_jobs
 
     log = Log()
     gw_settings = GatewaySettings(port=1, db_path=str(tmp_path / "jobs.db"))

@@ -1,4 +1,4 @@
-"""The gateway's partial-rollout machinery without a stack (``api/partial.py``): spliced answers carry
+"""The gateway's partial-rollout machinery without a stack (``gateway/partial.py``): spliced answers carry
 SGLang's ``weight_versions`` spans shifted for the continuation, n > 1 runs as one engine request per
 sample, every engine rid is registered before it is sent, and an abort is sent again while its request
 still runs (the first one may have reached the engine before the request did)."""
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from slime_server.api import partial
-from slime_server.api.engine_client import EngineError
-from slime_server.api.partial import abort_resending, generate_continuing, splice
+from slime_server.gateway import partial
+from slime_server.gateway.engine_client import EngineError
+from slime_server.gateway.partial import abort_resending, generate_continuing, splice
 from slime_server.rollout.protocol import FinishReason, GenerateOutput, MetaInfo, WeightVersionSpan
 
 PROMPT = [11, 12, 13]

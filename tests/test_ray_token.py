@@ -82,7 +82,7 @@ class TokenHead:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 return False
             time.sleep(0.5)
-        probe = (f"from slime_server.launch import use_ray_token\nuse_ray_token({str(self.token_file)!r})\n"
+        probe = (f"from slime_server.server.launch import use_ray_token\nuse_ray_token({str(self.token_file)!r})\n"
                  f"from ray._raylet import GcsClient\nGcsClient(address={self.address!r})"
                  ".internal_kv_get(b'k', b'', timeout=20)")
         return _python(probe, _clean_env()).returncode == 0 and self.proc.poll() is None
@@ -149,7 +149,7 @@ def test_wrong_token_is_refused(token_cluster: tuple[str, Path], tmp_path: Path)
     address, _ = token_cluster
     wrong = tmp_path / "wrong"
     wrong.write_text(secrets.token_urlsafe(32))
-    code = ("from slime_server.launch import check_ray_auth, use_ray_token\n"
+    code = ("from slime_server.server.launch import check_ray_auth, use_ray_token\n"
             f"use_ray_token({str(wrong)!r})\ncheck_ray_auth({address!r})")
     r = _python(code, _clean_env())
     assert r.returncode != 0 and "RayAuthError" in r.stderr
@@ -158,7 +158,7 @@ def test_wrong_token_is_refused(token_cluster: tuple[str, Path], tmp_path: Path)
 
 def test_server_with_the_token_file_joins(token_cluster: tuple[str, Path]) -> None:
     address, token_file = token_cluster
-    code = ("import ray\nfrom slime_server.config import ServerSettings\nfrom slime_server.launch import _init_ray\n"
+    code = ("import ray\nfrom slime_server.config import ServerSettings\nfrom slime_server.server.launch import _init_ray\n"
             f"s = ServerSettings(ray={{'address': {address!r}, 'auth_token_file': {str(token_file)!r}}})\n"
             "assert _init_ray(s)\nprint('CPUS', ray.cluster_resources()['CPU'])\n"
             "print('TASK', ray.get(ray.remote(lambda: 41 + 1).remote()))\nray.shutdown()")
@@ -168,7 +168,7 @@ def test_server_with_the_token_file_joins(token_cluster: tuple[str, Path]) -> No
 
 
 def test_missing_token_file_is_named(tmp_path: Path) -> None:
-    from slime_server.launch import RayAuthError, use_ray_token
+    from slime_server.server.launch import RayAuthError, use_ray_token
 
     with pytest.raises(RayAuthError, match="missing or empty"):
         use_ray_token(str(tmp_path / "nope"))

@@ -91,7 +91,7 @@ def test_the_registry_model_is_the_real_checkpoint(real_model_path: Path) -> Non
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
     assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (9, 3, 49152)
     assert config.tie_word_embeddings
-    from slime_server.launch import resolve_model_path
+    from slime_server.server.launch import resolve_model_path
 
     assert resolve_model_path("smollm2") == str(real_model_path)  # serve --model smollm2
     cli = subprocess.run([sys.executable, "-m", "slime_server.cli", "model", "fetch", "smollm2"], capture_output=True,

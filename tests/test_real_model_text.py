@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from slime_server.api.token_text import incomplete_utf8_tail
+from slime_server.gateway.token_text import incomplete_utf8_tail
 from tests._gateway_helpers import (
     MODEL,
     GatewayProc,

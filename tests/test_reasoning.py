@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_server.api.reasoning import ReasoningParser, get_reasoning_parser
+from slime_server.gateway.reasoning import ReasoningParser, get_reasoning_parser
 
 
 @pytest.mark.parametrize(("text", "reasoning", "content"), [

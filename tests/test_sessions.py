@@ -9,10 +9,10 @@ import pytest
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
-from slime_server.api.chat_template import ChatRenderer, ChatTemplateError
 from slime_server.buffer.schema import SessionClosedError
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
-from slime_server.sessions import ChoiceResult, SessionManager
+from slime_server.gateway.chat_template import ChatRenderer, ChatTemplateError
+from slime_server.gateway.sessions import ChoiceResult, SessionManager
 from tests._sessions_helpers import TOOLS, FakeEngine, assert_mask_invariant, client_message
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from slime_server.api.chat_template import ChatRenderer
 from slime_server.buffer.schema import StoreError
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+from slime_server.gateway.chat_template import ChatRenderer
+from slime_server.gateway.sessions import SessionManager
 from slime_server.models.tiny import ensure_tiny_model
-from slime_server.sessions import SessionManager
 from tests._sessions_helpers import TOOLS, FakeEngine, assert_mask_invariant, client_message
 
 TEXT = st.one_of(st.text(alphabet="ab c,.\n{}\"é7", max_size=10),

@@ -133,7 +133,7 @@ _OPENAI_CASES: list[dict[str, Any]] = [
 
 
 def _openai_params(case: dict[str, Any]) -> dict[str, Any]:
-    from slime_server.api.turn import sampling_params
+    from slime_server.gateway.turn import sampling_params
 
     accepted = set(inspect.signature(sampling_params).parameters) - {"gw", "prompt_len"}
     unknown = accepted - set(_OPENAI_CASES[1])
@@ -146,7 +146,7 @@ def _openai_params(case: dict[str, Any]) -> dict[str, Any]:
 def test_gateway_generate_bodies_pass_sglang_contract(case: dict[str, Any], stream: bool) -> None:
     """The gateway's real builders (OpenAI params -> ``sampling_params`` -> ``EngineClient.build_request``)
     produce bodies SGLang admits (its ``/generate`` runs ``GenerateRequest.from_json_value`` first)."""
-    from slime_server.api.engine_client import EngineClient
+    from slime_server.gateway.engine_client import EngineClient
 
     at = api_types()
     params = _openai_params(case)
@@ -177,8 +177,8 @@ def test_partial_rollout_continuation_bodies_pass_sglang_contract() -> None:
     """A generation the engine aborted is continued (``api/partial.generate_continuing``) with a body of
     its own (new ``max_new_tokens``, ``seed``, ``n`` and rid): every body must pass SGLang's contract.
     The fake engine admits requests with SGLang's own check, as its ``/generate`` does."""
-    from slime_server.api.engine_client import EngineClient
-    from slime_server.api.partial import generate_continuing
+    from slime_server.gateway.engine_client import EngineClient
+    from slime_server.gateway.partial import generate_continuing
 
     at = api_types()
     bodies: list[dict[str, Any]] = []
@@ -242,7 +242,7 @@ def _finish(at: ModuleType, resp: Any) -> Any:
 def test_engine_answers_decode_with_sglang_contract(engine_url: str) -> None:
     """Our CPU engine's ``/generate`` answers (plain, n > 1, stream; length, stop by token, stop by string,
     abort) decode with SGLang's ``GenerateResponse`` — what sgl-router and SGLang clients expect."""
-    from slime_server.api.engine_client import EngineClient
+    from slime_server.gateway.engine_client import EngineClient
 
     at = api_types()
 
@@ -311,7 +311,7 @@ def test_engine_answers_carry_only_sglang_keys(engine_url: str) -> None:
     """Our engine sends no ``/generate`` key outside SGLang's contract: SGLang's decoder ignores unknown keys,
     so only this catches one, and a key only our engine sends is one the gateway may come to depend on
     (it then breaks on a real SGLang server)."""
-    from slime_server.api.engine_client import EngineClient
+    from slime_server.gateway.engine_client import EngineClient
 
     at = api_types()
     body = EngineClient.build_request(PROMPT, {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True},

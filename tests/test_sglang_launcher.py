@@ -76,7 +76,7 @@ def test_engine_actor_uses_launcher_for_sglang_kind() -> None:
 def test_importing_launcher_does_not_import_sglang() -> None:
     import subprocess
 
-    code = ("import sys, slime_server.rollout.sglang_launcher, slime_server.launch, slime_server.cli; "
+    code = ("import sys, slime_server.rollout.sglang_launcher, slime_server.server.launch, slime_server.cli; "
             "sys.exit(1 if 'sglang' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 

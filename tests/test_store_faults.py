@@ -88,8 +88,8 @@ def integrity(db: Path) -> str:
 @pytest.mark.parametrize("fault", FAULTS)
 def test_store_refuses_writes_and_keeps_what_it_had(fault: str, disk: FailingDisk, tmp_path: Path,
                                                     tiny_model_path: Path) -> None:
-    from slime_server.api.chat_template import ChatRenderer
-    from slime_server.sessions import SessionManager
+    from slime_server.gateway.chat_template import ChatRenderer
+    from slime_server.gateway.sessions import SessionManager
 
     renderer = ChatRenderer(tiny_model_path)
     engine = FakeEngine(renderer)

@@ -25,10 +25,10 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 
-from slime_server.api.gateway_thread import GatewayThread
 from slime_server.config import RouterSettings
 from slime_server.rollout.router import RouterProcess
 from slime_server.rollout.supervisor import EngineSupervisor
+from slime_server.server.gateway_thread import GatewayThread
 from slime_server.utils.net import find_free_port
 from tests._engine_helpers import engine_process
 from tests._rollout_helpers import generate_body

@@ -1,4 +1,4 @@
-"""Token ids -> client text (slime_server/api/token_text.py), fed random token sequences directly.
+"""Token ids -> client text (slime_server/gateway/token_text.py), fed random token sequences directly.
 
 Random ids from a byte-level vocabulary split characters anywhere and produce invalid byte runs, so
 these properties cover what a model can emit: streamed deltas equal the final text, a U+FFFD appears
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from slime_server.api.token_text import (
+from slime_server.gateway.token_text import (
     REPLACEMENT,
     TokenBytes,
     _byte_level_alphabet,

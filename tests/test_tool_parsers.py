@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_server.api.tool_parsers import (
+from slime_server.gateway.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     ToolCallParser,
@@ -148,7 +148,7 @@ def test_llama3_streaming_equals_whole_text(text: str, cuts: list[int]) -> None:
 
 
 def test_auto_reads_the_call_format_from_the_chat_template() -> None:
-    from slime_server.api.tool_parsers import Llama3JsonToolParser, detect_tool_parser, get_tool_parser
+    from slime_server.gateway.tool_parsers import Llama3JsonToolParser, detect_tool_parser, get_tool_parser
 
     assert detect_tool_parser("{{ '<tool_call>' }}{{ tools | tojson }}") == "hermes"  # Qwen, Hermes
     assert detect_tool_parser("{%- if builtin_tools %}<|python_tag|>{% endif %}ipython") == "llama3_json"  # Llama 3
@@ -166,7 +166,7 @@ MISTRAL = ["Let me look. " + MISTRAL_LIST, MISTRAL_LIST,
 
 
 def test_mistral_calls_keep_exact_arguments() -> None:
-    from slime_server.api.tool_parsers import MistralToolParser
+    from slime_server.gateway.tool_parsers import MistralToolParser
 
     p = MistralToolParser()
     for text, content in ((MISTRAL[0], "Let me look."), (MISTRAL[1], None), (MISTRAL[2], None)):
@@ -181,7 +181,7 @@ def test_mistral_calls_keep_exact_arguments() -> None:
 @settings(max_examples=40, deadline=None)
 @given(text=st.sampled_from(MISTRAL), cuts=st.lists(st.integers(0, 120), max_size=8))
 def test_mistral_streaming_equals_whole_text(text: str, cuts: list[int]) -> None:
-    from slime_server.api.tool_parsers import MistralToolParser
+    from slime_server.gateway.tool_parsers import MistralToolParser
 
     p = MistralToolParser()
     whole = p.parse(text)

@@ -38,8 +38,8 @@ def reward(text: str) -> float:
 def run_mode(mode: str, a: argparse.Namespace, model: str) -> dict[str, Any]:
     from openai import OpenAI
 
-    from slime_server.api.serve_cmd import start_server
     from slime_server.config import load_settings
+    from slime_server.server.serve_cmd import start_server
 
     work = Path(tempfile.mkdtemp(prefix=f"bench_async_{mode}_"))
     settings = load_settings(None, {
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     a = ap.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from slime_server.launch import resolve_model_path
+    from slime_server.server.launch import resolve_model_path
 
     model = resolve_model_path(a.model)
     results = [run_mode(mode, a, model) for mode in ("sync", "async")]

@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
-    from slime_server.launch import resolve_model_path
     from slime_server.rollout.cpu_engine import CPUEngine, EngineConfig
+    from slime_server.server.launch import resolve_model_path
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)

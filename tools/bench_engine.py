@@ -24,7 +24,7 @@ import httpx
 from pydantic import BaseModel
 
 from slime_server.config import EngineSettings, RaySettings, RouterSettings, ServerSettings
-from slime_server.launch import Deployment
+from slime_server.server.launch import Deployment
 
 
 class LevelResult(BaseModel):

@@ -42,11 +42,11 @@ def main() -> None:
     ap.add_argument("--throughput-requests", type=int, default=48)
     a = ap.parse_args()
 
-    from slime_server.api.chat_template import ChatRenderer
     from slime_server.config import RouterSettings
-    from slime_server.launch import resolve_model_path
+    from slime_server.gateway.chat_template import ChatRenderer
     from slime_server.rollout.actors import EngineActor, EngineSpec
     from slime_server.rollout.router import RouterProcess
+    from slime_server.server.launch import resolve_model_path
 
     model = resolve_model_path(a.model)
     prompt_ids = ChatRenderer(model).render_ids(MESSAGES)

@@ -119,9 +119,9 @@ class ServingStack(BaseModel):
 def serving_stack(model: str, engines: int, log_dir: str | Path | None, name: str) -> Iterator[ServingStack]:
     """CPU engines (no restart monitor), the real router, the gateway as its own process; all stopped after."""
     from slime_server.config import RouterSettings
-    from slime_server.launch import resolve_model_path
     from slime_server.rollout.actors import EngineActor, EngineSpec
     from slime_server.rollout.router import RouterProcess
+    from slime_server.server.launch import resolve_model_path
 
     model_path = resolve_model_path(model)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))

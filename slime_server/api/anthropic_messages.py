@@ -35,10 +35,11 @@ from slime_server.api.anthropic_protocol import (
     ToolParam,
     ToolUseBlock,
 )
-from slime_server.api.errors import APIError, anthropic_error_body, bad_request
+from slime_server.api.errors import anthropic_error_body
 from slime_server.api.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
-from slime_server.api.turn import ChatTurn, TurnResult, canonical_request, engine_reason, matched_stop
-from slime_server.api.turn_stream import StreamDelta, turn_events
+from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.turn import ChatTurn, TurnResult, canonical_request, engine_reason, matched_stop
+from slime_server.gateway.turn_stream import StreamDelta, turn_events
 from slime_server.rollout.protocol import GenerateOutput
 
 BLOCK_SEPARATOR = "\n\n"  # between text blocks of one message (the model sees one string)

@@ -24,11 +24,11 @@ from slime_server.api import (
     routes_sessions,
 )
 from slime_server.api.access_log import AccessLogMiddleware
-from slime_server.api.engine_client import EngineClient
 from slime_server.api.errors import BodySizeLimitMiddleware, install_error_handlers
-from slime_server.api.gateway import Gateway
 from slime_server.config import GatewaySettings
-from slime_server.session_expiry import IdleSessionSweeper
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.engine_client import EngineClient
+from slime_server.gateway.session_expiry import IdleSessionSweeper
 
 
 def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,

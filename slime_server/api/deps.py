@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from fastapi import Depends, Request
 
-from slime_server.api.auth import Principal, authenticate, bearer_token
-from slime_server.api.gateway import Gateway
+from slime_server.api.auth import authenticate, bearer_token
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.principal import Principal
 
 
 def get_gateway(request: Request) -> Gateway:

@@ -1,4 +1,4 @@
-"""``/v1/chat/completions``: the OpenAI chat request -> one turn (api/turn.py) -> the chat answer or its SSE."""
+"""``/v1/chat/completions``: the OpenAI chat request -> one turn (gateway/turn.py) -> the chat answer or its SSE."""
 
 from __future__ import annotations
 
@@ -6,9 +6,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slime_server.api.auth import Principal
-from slime_server.api.errors import APIError
-from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -19,8 +16,11 @@ from slime_server.api.protocol import (
     DeltaMessage,
     Usage,
 )
-from slime_server.api.turn import ChatTurn, token_logprobs
-from slime_server.api.turn_stream import StreamDelta, turn_events
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.errors import APIError
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.turn import ChatTurn, token_logprobs
+from slime_server.gateway.turn_stream import StreamDelta, turn_events
 
 
 async def chat_completion(gw: Gateway, req: ChatCompletionRequest, principal: Principal,

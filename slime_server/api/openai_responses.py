@@ -23,11 +23,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from slime_server.api.auth import Principal
-from slime_server.api.errors import APIError, bad_request
-from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
-from slime_server.api.recording import call_store
 from slime_server.api.responses_protocol import (
     FunctionToolChoice,
     IncompleteDetails,
@@ -42,9 +38,13 @@ from slime_server.api.responses_protocol import (
     ResponseUsage,
     new_item_id,
 )
-from slime_server.api.turn import ChatTurn, TurnResult, canonical_request, engine_reason
-from slime_server.api.turn_stream import StreamDelta, turn_events
 from slime_server.buffer.schema import StoredResponse
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.recording import call_store
+from slime_server.gateway.turn import ChatTurn, TurnResult, canonical_request, engine_reason
+from slime_server.gateway.turn_stream import StreamDelta, turn_events
 
 MAX_CHAIN = 10_000  # previous_response_id links followed at most (a cycle cannot be built, but a bound is cheap)
 

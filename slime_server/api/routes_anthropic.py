@@ -23,11 +23,11 @@ from slime_server.api.anthropic_protocol import (
     MessagesRequest,
     new_message_id,
 )
-from slime_server.api.auth import Principal
 from slime_server.api.deps import get_gateway, get_principal
-from slime_server.api.gateway import Gateway
-from slime_server.api.recording import call_store
-from slime_server.api.turn import ChatTurn, check_model, is_side_turn, validate_chat
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.recording import call_store
+from slime_server.gateway.turn import ChatTurn, check_model, is_side_turn, validate_chat
 
 ERRORS = {status: {"model": AnthropicError} for status in (400, 401, 403, 404, 409, 413, 429, 502, 503)}
 

@@ -8,12 +8,8 @@ from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from slime_server.api import openai_chat, recording
-from slime_server.api import turn as core
-from slime_server.api.auth import Principal
+from slime_server.api import openai_chat
 from slime_server.api.deps import get_gateway, get_principal
-from slime_server.api.errors import bad_request
-from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -28,8 +24,13 @@ from slime_server.api.protocol import (
     Usage,
     new_id,
 )
-from slime_server.api.sessions_resolve import resolve_session
-from slime_server.api.token_text import incomplete_utf8_tail
+from slime_server.gateway import recording
+from slime_server.gateway import turn as core
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.errors import bad_request
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.sessions_resolve import resolve_session
+from slime_server.gateway.token_text import incomplete_utf8_tail
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 502, 503)}
 

@@ -12,10 +12,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header
 from starlette.concurrency import run_in_threadpool
 
-from slime_server.api.auth import Principal, mint_session_key
+from slime_server.api.auth import mint_session_key
 from slime_server.api.deps import get_gateway, get_principal
-from slime_server.api.errors import APIError, bad_request
-from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import (
     CreateSessionRequest,
     ErrorResponse,
@@ -26,9 +24,12 @@ from slime_server.api.protocol import (
     SessionClosed,
     SessionCreated,
 )
-from slime_server.api.recording import call_store
-from slime_server.api.sessions_resolve import get_session_or_404
 from slime_server.api.sessions_views import SessionView, TrajectoryView, session_view, trajectory_view
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.recording import call_store
+from slime_server.gateway.sessions_resolve import get_session_or_404
 
 router = APIRouter(prefix="/v1", tags=["sessions"],
                    responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 413)})

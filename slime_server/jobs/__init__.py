@@ -5,5 +5,5 @@
 - ``runners.py``: what runs beside a job's loop: dataset episodes through ``/v1``, eval rounds;
 - ``metrics.py``: the Prometheus gauges a job reports.
 
-Pacing (429 while a job's buffer is full) is the gateway's: ``api/pacing.py``.
+Pacing (429 while a job's buffer is full) is the gateway's: ``gateway/pacing.py``.
 """

@@ -164,7 +164,7 @@ class JobManager:
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         return self.get(job_id).checkpoints
 
-    # ---------------------------------------------------------------- pacing (the gateway's: api/pacing.py)
+    # ---------------------------------------------------------------- pacing (the gateway's: gateway/pacing.py)
     def active_pacing(self) -> PacingSpec | None:
         """The running job's pacing spec (None: no job is training, so nothing is paced)."""
         with self._lock:

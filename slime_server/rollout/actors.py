@@ -1,6 +1,6 @@
 """Engine actors: each owns one inference server process (our CPU engine or SGLang).
 
-``EngineActor`` is a plain class so it can be used and tested without Ray; ``launch.py`` wraps it
+``EngineActor`` is a plain class so it can be used and tested without Ray; ``server/launch.py`` wraps it
 with ``ray.remote``. The actor picks a free port on its own node, starts the server in its own process
 group (``owned.spawn_owned``: killed by the kernel if the actor process dies first), waits for ``/health``, and a monitor thread
 restarts the server on the same port if it dies, so the URL the router knows stays valid.

@@ -19,8 +19,6 @@ import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from starlette.responses import JSONResponse
-
 from slime_server.config import SetupError
 from slime_server.utils.net import is_loopback
 
@@ -105,9 +103,18 @@ class ApiKeyMiddleware:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
             if not request_allowed(scope["method"], scope["path"], headers.get("authorization"), self.api_key,
                                    self.admin_api_key):
-                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                await _unauthorized(send)
                 return
         await self.app(scope, receive, send)
+
+
+async def _unauthorized(send: Any) -> None:
+    """SGLang's 401 (``JSONResponse({"error": "Unauthorized"})``), in raw ASGI: the gateway and the trainer
+    import this module for ``auth_headers`` and need not load Starlette for it."""
+    body = b'{"error":"Unauthorized"}'
+    await send({"type": "http.response.start", "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def add_api_keys(app: Any, api_key: str | None, admin_api_key: str | None) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from slime_server.api.token_text import TokenBytes
 from slime_server.buffer.schema import NormalizedMessage, ToolCallRef
+from slime_server.gateway.token_text import TokenBytes
 
 
 class ChatTemplateError(ValueError):

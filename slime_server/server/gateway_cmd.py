@@ -14,10 +14,10 @@ import argparse
 import logging
 
 from slime_server.api.auth import check_bind
-from slime_server.api.server import build_gateway
 from slime_server.config import GatewaySettings, ServerSettings, SetupError
 from slime_server.online.attach import attach_online
 from slime_server.online.preset import feedback_settings
+from slime_server.server.build import build_gateway
 
 log = logging.getLogger(__name__)
 

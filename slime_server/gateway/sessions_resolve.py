@@ -10,8 +10,8 @@ The sessions REST endpoints, by contrast, answer 404 for an unknown id.
 
 from __future__ import annotations
 
-from slime_server.api.auth import Principal
-from slime_server.api.errors import APIError, bad_request
+from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.principal import Principal
 
 SESSION_HEADER = "X-Session-Id"
 MAX_SESSION_ID = 200

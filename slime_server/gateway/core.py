@@ -12,10 +12,13 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from slime_server.api.engine_client import EngineClient
-from slime_server.api.errors import APIError
-from slime_server.api.pacing import Pacer
-from slime_server.api.partial import (
+from slime_server.buffer.key_store import KeyStore
+from slime_server.buffer.store import TrajectoryStore
+from slime_server.config import GatewaySettings
+from slime_server.gateway.engine_client import EngineClient
+from slime_server.gateway.errors import APIError
+from slime_server.gateway.pacing import Pacer
+from slime_server.gateway.partial import (
     ENGINE_RETRIES,
     InflightRegistry,
     abort_everywhere,
@@ -24,11 +27,9 @@ from slime_server.api.partial import (
     sample_rids,
     stream_samples,
 )
-from slime_server.api.reasoning import ReasoningParser, get_reasoning_parser
-from slime_server.api.tool_parsers import ToolCallParser, get_tool_parser
-from slime_server.buffer.key_store import KeyStore
-from slime_server.buffer.store import TrajectoryStore
-from slime_server.config import GatewaySettings
+from slime_server.gateway.reasoning import ReasoningParser, get_reasoning_parser
+from slime_server.gateway.threads import in_thread
+from slime_server.gateway.tool_parsers import ToolCallParser, get_tool_parser
 from slime_server.rollout.protocol import GenerateOutput
 
 PARTIAL_CONTINUATIONS = Counter("slime_partial_rollout_continuations_total",
@@ -42,8 +43,8 @@ class Gateway:
     settings: GatewaySettings
     model_name: str
     engine: EngineClient
-    renderer: Any  # slime_server.api.chat_template.ChatRenderer
-    sessions: Any  # slime_server.sessions.SessionManager
+    renderer: Any  # slime_server.gateway.chat_template.ChatRenderer
+    sessions: Any  # slime_server.gateway.sessions.SessionManager
     store: TrajectoryStore
     jobs: Any = None  # slime_server.jobs.manager.JobManager when a trainer is attached (serve); None: serving only
     feedback: Any = None  # slime_server.online.feedback.ImplicitFeedback with `serve --online`
@@ -66,7 +67,7 @@ class Gateway:
 
 
     async def admit(self, session_id: str | None, metadata: dict[str, str] | None) -> None:
-        """Buffer pacing (``api/pacing.py``): 429 + Retry-After while a job's buffer is full.
+        """Buffer pacing (``gateway/pacing.py``): 429 + Retry-After while a job's buffer is full.
 
         Serve-only traffic is never paced: a request with ``metadata.serve_only = "true"`` or a
         session opened with ``{"metadata": {"serve_only": true}}``; nor is a later turn of a session that
@@ -74,10 +75,8 @@ class Gateway:
         """
         if self.jobs is None or str((metadata or {}).get("serve_only", "")).lower() in ("true", "1", "yes"):
             return
-        from starlette.concurrency import run_in_threadpool
-
-        retry = await run_in_threadpool(self.pacer.retry_after)
-        if retry is None or (session_id is not None and await run_in_threadpool(self._exempt, session_id)):
+        retry = await in_thread(self.pacer.retry_after)
+        if retry is None or (session_id is not None and await in_thread(self._exempt, session_id)):
             return
         raise APIError(429, "the trajectory buffer is full: the trainer is behind; retry later",
                        code="buffer_full", headers={"Retry-After": str(max(1, round(retry)))})

@@ -14,9 +14,9 @@ from slime_server.config import GatewaySettings
 def build_gateway(router_url: str, model_path: str | Path, settings: GatewaySettings,
                   engine_api_key: str | None = None) -> FastAPI:
     """Wire renderer, store (a SQLite file, or Postgres shared by replicas) and session manager into the app."""
-    from slime_server.api.chat_template import ChatRenderer
     from slime_server.buffer.open import open_store
-    from slime_server.sessions import SessionManager
+    from slime_server.gateway.chat_template import ChatRenderer
+    from slime_server.gateway.sessions import SessionManager
 
     renderer = ChatRenderer(model_path, tools_fallback=settings.tools_fallback)
     store = open_store(settings.db_path)

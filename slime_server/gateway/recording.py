@@ -1,6 +1,6 @@
 """The gateway's one seam to the session layer: prepare a turn's prompt ids, commit its results.
 
-Why a seam: sessions.py owns token-exact multi-turn assembly and durability; the gateway must
+Why a seam: gateway/sessions.py owns token-exact multi-turn assembly and durability; the gateway must
 only (1) ask it for the prompt ids, (2) append tool-call prefill tokens as *prompt* tokens, and
 (3) commit every choice before the response leaves. Blocking store work runs in a worker thread
 so a slow fsync never stalls the event loop serving other requests.
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import Counter
-from starlette.concurrency import run_in_threadpool
 
-from slime_server.api.errors import APIError
 from slime_server.api.protocol import ResponseMessage, Usage, new_id
+from slime_server.gateway.errors import APIError
+from slime_server.gateway.threads import in_thread
 
 TOKENS = Counter("slime_recorded_tokens_total", "tokens of recorded turns, as billed in usage", ["kind"])
 
@@ -36,7 +36,7 @@ async def prepare_turn(sessions: Any, session_id: str | None, messages: list[dic
                        tools: list[dict[str, Any]] | None, n: int, prefill_ids: list[int],
                        owner: str | None = None) -> Any:
     """Prompt ids for this turn (``prepared.prompt_ids``), with ``prefill_ids`` appended as prompt."""
-    prepared = await run_in_threadpool(call_store, sessions.prepare_turn, session_id, messages, tools, n=n,
+    prepared = await in_thread(call_store, sessions.prepare_turn, session_id, messages, tools, n=n,
                                        owner=owner)
     if prefill_ids:
         prepared.prompt_ids = list(prepared.prompt_ids) + list(prefill_ids)
@@ -46,7 +46,7 @@ async def prepare_turn(sessions: Any, session_id: str | None, messages: list[dic
 async def prepare_raw(store: Any, session_id: str | None, prompt_ids: list[int], n: int,
                       owner: str | None = None) -> Any:
     """A turn for ``/v1/completions``: raw prompt ids, always a fresh trajectory (new segment)."""
-    from slime_server.sessions import PreparedTurn
+    from slime_server.gateway.sessions import PreparedTurn
 
     if session_id is None:
         return PreparedTurn(session_id=new_id("sess"), ephemeral=True, mode="new", prompt_ids=prompt_ids,
@@ -56,7 +56,7 @@ async def prepare_raw(store: Any, session_id: str | None, prompt_ids: list[int],
         store.get_or_create_session(session_id, owner=owner)
         return max((t.segment for t in store.get_trajectories(session_id)), default=-1) + 1
 
-    seg = await run_in_threadpool(call_store, segment)
+    seg = await in_thread(call_store, segment)
     return PreparedTurn(session_id=session_id, mode="new", segment=seg, prompt_ids=prompt_ids, messages=[], n=n,
                         owner=owner)
 
@@ -64,7 +64,7 @@ async def prepare_raw(store: Any, session_id: str | None, prompt_ids: list[int],
 async def commit_turn(sessions: Any, prepared: Any, outcomes: list[ChoiceOutcome], response_id: str,
                       usage: Usage) -> list[Any]:
     """Durably record every choice; returns the session layer's turn records."""
-    from slime_server.sessions import ChoiceResult
+    from slime_server.gateway.sessions import ChoiceResult
 
     choices = [
         ChoiceResult(
@@ -74,7 +74,7 @@ async def commit_turn(sessions: Any, prepared: Any, outcomes: list[ChoiceOutcome
         )
         for o in outcomes
     ]
-    records = await run_in_threadpool(call_store, sessions.commit_turn, prepared, choices)
+    records = await in_thread(call_store, sessions.commit_turn, prepared, choices)
     TOKENS.labels("prompt").inc(usage.prompt_tokens)
     TOKENS.labels("completion").inc(usage.completion_tokens)
     return records
@@ -87,7 +87,7 @@ def call_store(fn, *args: Any, **kwargs: Any) -> Any:
     except APIError:
         raise
     except Exception as e:
-        from slime_server.api.chat_template import ChatTemplateError
+        from slime_server.gateway.chat_template import ChatTemplateError
 
         if isinstance(e, ChatTemplateError):  # the conversation cannot be rendered: the client's input
             raise APIError(400, str(e), param=e.param, code=e.code) from e

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from slime_server.api.errors import APIError
+from slime_server.gateway.errors import APIError
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.protocol import GenerateOutput
 

@@ -21,8 +21,8 @@ from slime_server.config import GatewaySettings, ServerSettings
 
 @dataclass
 class JudgeDeployment:
-    deployment: Any  # slime_server.launch.Deployment
-    gateway: Any  # slime_server.api.serve_cmd.GatewayThread
+    deployment: Any  # slime_server.server.launch.Deployment
+    gateway: Any  # slime_server.server.serve_cmd.GatewayThread
     base_url: str
     db_path: str
 
@@ -43,7 +43,7 @@ def judge_server_settings(settings: ServerSettings, model: str, num_engines: int
 
 def with_judge_cpus(settings: ServerSettings, judge_engines: int) -> ServerSettings:
     """Reserve Ray CPUs for the judge's engines too, when this process starts the (local) cluster."""
-    from slime_server.launch import ray_cpus_needed
+    from slime_server.server.launch import ray_cpus_needed
 
     if settings.ray.address or judge_engines <= 0:
         return settings
@@ -55,9 +55,9 @@ def with_judge_cpus(settings: ServerSettings, judge_engines: int) -> ServerSetti
 def start_judge_deployment(settings: ServerSettings, model: str, num_engines: int,
                            log_dir: str | Path | None) -> JudgeDeployment:
     """Engines + router + a loopback serve-only gateway for the judge; Ray must already be up."""
-    from slime_server.api.gateway_thread import GatewayThread, bind_listener
-    from slime_server.api.server import build_gateway
-    from slime_server.launch import Deployment, resolve_model_path
+    from slime_server.server.build import build_gateway
+    from slime_server.server.gateway_thread import GatewayThread, bind_listener
+    from slime_server.server.launch import Deployment, resolve_model_path
 
     if num_engines < 1:
         raise ValueError("the judge needs at least one engine")

@@ -1,6 +1,6 @@
 """``slime-server serve``: engines + sgl-router (as ``slime-server engines``) + the gateway on top.
 
-The gateway runs in a thread with uvicorn's signal handlers off (``api/gateway_thread.py``): the main
+The gateway runs in a thread with uvicorn's signal handlers off (``server/gateway_thread.py``): the main
 thread owns the signals (``run_until_signal``): first the gateway stops taking
 requests, then the engines and router go (no orphans), then the process exits 0.
 """
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slime_server.api.gateway_thread import GatewayThread, bind_listener
 from slime_server.config import GatewaySettings, ServerSettings
 from slime_server.online.attach import attach_online
 from slime_server.online.preset import feedback_settings, online_job_spec
 from slime_server.rollout.supervisor import EngineSupervisor
+from slime_server.server.gateway_thread import GatewayThread, bind_listener
 
 
 @dataclass
@@ -27,7 +27,7 @@ class RunningServer:
     gateway: GatewayThread
     base_url: str
     jobs: Any = None  # JobManager
-    judge: Any = None  # online.judge_server.JudgeDeployment (serve --online --judge-engine-model)
+    judge: Any = None  # server.judge_server.JudgeDeployment (serve --online --judge-engine-model)
     supervisor: Any = None  # rollout.supervisor.EngineSupervisor
 
     def stop(self) -> None:
@@ -55,7 +55,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     from slime_server.buffer.open import open_job_store
     from slime_server.jobs.manager import JobManager
     from slime_server.jobs.spec import JobSpec
-    from slime_server.launch import rank_registry, start_trainer_group
+    from slime_server.server.launch import rank_registry, start_trainer_group
     from slime_server.utils.shm import reap_recorded
 
     tr = settings.trainer
@@ -113,8 +113,8 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
     """Engines + router under Ray, the job manager (trainer ranks start per job), the gateway in front
     (and, with ``judge_engine_model``, the online judge on engines and a router of its own)."""
     from slime_server.api.auth import check_bind
-    from slime_server.api.server import build_gateway
-    from slime_server.launch import Deployment, resolve_model_path
+    from slime_server.server.build import build_gateway
+    from slime_server.server.launch import Deployment, resolve_model_path
 
     if check_bind(gw_settings.host, gw_settings.admin_api_key, gw_settings.insecure):  # before anything starts
         print(f"warning: serving on {gw_settings.host} with no admin key (--insecure-gateway)", flush=True)
@@ -122,7 +122,7 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
     if gw_settings.served_model_name is None and model_path != settings.engine.model:  # "tiny", "smollm2"
         gw_settings = gw_settings.model_copy(update={"served_model_name": settings.engine.model})
     if judge_engine_model is not None:
-        from slime_server.online.judge_server import with_judge_cpus
+        from slime_server.server.judge_server import with_judge_cpus
 
         settings = with_judge_cpus(settings, judge_engines)
     listener = bind_listener(gw_settings.host, gw_settings.port)  # ours from here on (0: any free port)
@@ -136,7 +136,7 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
     try:
         print(f"router_url: {dep.router_url}", flush=True)
         if judge_engine_model is not None and online is not None:
-            from slime_server.online.judge_server import start_judge_deployment
+            from slime_server.server.judge_server import start_judge_deployment
 
             judge = start_judge_deployment(settings, judge_engine_model, judge_engines, dep.log_dir)
             online = online.model_copy(update={"judge": online.judge.model_copy(

@@ -21,10 +21,6 @@ from typing import Any
 import jsonschema
 from pydantic import ValidationError
 
-from slime_server.api import recording
-from slime_server.api.auth import Principal
-from slime_server.api.errors import APIError, bad_request
-from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import (
     ChatCompletionRequest,
     FunctionCall,
@@ -36,8 +32,12 @@ from slime_server.api.protocol import (
     Usage,
     new_id,
 )
-from slime_server.api.sessions_resolve import resolve_session
-from slime_server.api.token_text import final_text, token_string
+from slime_server.gateway import recording
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.sessions_resolve import resolve_session
+from slime_server.gateway.token_text import final_text, token_string
 from slime_server.rollout.protocol import GenerateOutput
 
 TOOL_PREFILL = '<tool_call>\n{"name": "'

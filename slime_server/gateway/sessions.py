@@ -30,12 +30,6 @@ from typing import Any, Literal
 from prometheus_client import Counter
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from slime_server.api.chat_template import (
-    ChatRenderer,
-    ChatTemplateError,
-    PrefixMismatchError,
-    normalize_message,
-)
 from slime_server.buffer.schema import (
     NormalizedMessage,
     Session,
@@ -46,6 +40,12 @@ from slime_server.buffer.schema import (
     Turn,
 )
 from slime_server.buffer.store import ResponseRef, TrajectoryStore, TurnWrite
+from slime_server.gateway.chat_template import (
+    ChatRenderer,
+    ChatTemplateError,
+    PrefixMismatchError,
+    normalize_message,
+)
 
 SEGMENT_SPLITS = Counter("slime_session_segment_splits_total",
                          "Requests that could not extend any earlier trajectory of their session")

@@ -32,8 +32,8 @@ from typing import Any
 import httpx
 from prometheus_client import Counter
 
-from slime_server.api.engine_client import EngineError
-from slime_server.api.token_text import join_texts
+from slime_server.gateway.engine_client import EngineError
+from slime_server.gateway.token_text import join_texts
 from slime_server.rollout.protocol import (
     FinishReason,
     GenerateOutput,

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from slime_server.api.engine_client import EngineError
-from slime_server.api.gateway import Gateway
 from slime_server.api.protocol import ChoiceLogprobs, DeltaMessage
-from slime_server.api.token_text import streamable
-from slime_server.api.turn import ChatTurn, TurnResult, answer_text, build_message, token_logprobs
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.engine_client import EngineError
+from slime_server.gateway.token_text import streamable
+from slime_server.gateway.turn import ChatTurn, TurnResult, answer_text, build_message, token_logprobs
 from slime_server.rollout.protocol import GenerateOutput
 
 
@@ -124,7 +124,7 @@ async def turn_events(gw: Gateway, turn: ChatTurn, call: dict[str, Any], *,
     """
     n = turn.req.n
     states = [ChoiceStream(gw, turn) for _ in range(n)]
-    # an engine that fails or aborts mid-stream is continued inside (api/partial.py): the client's stream
+    # an engine that fails or aborts mid-stream is continued inside (gateway/partial.py): the client's stream
     # carries on where it was; an error reaches here only when the retries are spent or it is the client's
     async for out in gw.generate_stream(turn.prepared.session_id, turn.response_id, call["input_ids"],
                                         call["sampling_params"], return_logprob=True,
