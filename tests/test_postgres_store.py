@@ -1,8 +1,8 @@
 """The Postgres trajectory store: the SQLite store's whole contract, plus several replicas at once.
 
-Every test of ``test_sqlite_store.py`` that takes the ``store`` fixture is imported here and runs
-again against a fresh Postgres database (the ``store`` fixture below overrides the SQLite one), so
-the two stores cannot drift apart. The SQLite-only tests (a file reopened, WAL mode, a writer
+The store's contract (``tests/_store_contract.py``), which ``test_sqlite_store.py`` runs on SQLite,
+runs here again against a fresh Postgres database (this module's ``store`` fixture), so the two
+databases cannot drift apart. The SQLite-only tests (a file reopened, WAL mode, a writer
 killed while holding the file) have Postgres counterparts here: a reopened database keeps its data
 and refuses a newer schema, and a server crash (immediate stop) loses no acknowledged write.
 The replica tests run two store objects (two gateway processes' worth of pools) on one database
@@ -11,7 +11,6 @@ from threads: no lost turn, ``StaleWriteError`` exactly where SQLite raises it, 
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import threading
@@ -22,8 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_sqlite_store as contract
-from test_sqlite_store import _traj, _write
 
 from slime_server.buffer.open import is_postgres_url, open_job_store, open_key_store, open_store
 from slime_server.buffer.schema import (
@@ -39,6 +36,7 @@ from slime_server.buffer.schema import (
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.buffer.store import ResponseRef, TurnWrite
 from tests._postgres_helpers import PgCluster, admin_execute, create_database, drop_database, find_bindir
+from tests._store_contract import StoreContract, _traj, _write
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg missing: install the 'postgres' extra")
 from slime_server.buffer.postgres_store import PostgresTrajectoryStore  # noqa: E402
@@ -89,17 +87,14 @@ def db_url(pg: PgServer) -> str:
 
 @pytest.fixture
 def store(db_url: str) -> Iterator[PostgresTrajectoryStore]:
-    """Overrides test_sqlite_store's ``store``: the imported contract tests run on Postgres."""
+    """The contract's ``store``, on a fresh database of the test cluster."""
     s = PostgresTrajectoryStore(db_url)
     yield s
     s.close()
 
 
-# ------------------------------------------------------------------ the SQLite store's contract, re-run
-_CONTRACT = [name for name, fn in vars(contract).items()
-             if name.startswith("test_") and callable(fn) and "store" in inspect.signature(fn).parameters]
-assert len(_CONTRACT) >= 7, _CONTRACT  # the import must not silently find nothing
-globals().update({name: getattr(contract, name) for name in _CONTRACT})
+class TestPostgresStore(StoreContract):
+    """The store's contract (``tests/_store_contract.py``), the same tests as on SQLite, on Postgres."""
 
 
 # ------------------------------------------------------------------ Postgres counterparts of SQLite-only tests
