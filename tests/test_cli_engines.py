@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from slime_server.utils.procs import kill_group
 from tests._cli_helpers import CLI, output_lines, wait_for
 from tests._rollout_helpers import generate_body, pid_alive, proc_tree
 
@@ -58,8 +59,7 @@ def test_engines_command_serves_then_exits_clean(how: str, tiny_model_path: Path
             rest.append(lines.get())
         assert "stopped" in rest
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(pid_alive(p, st) for p, st in tree.items()):
         time.sleep(0.2)

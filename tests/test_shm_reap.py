@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from slime_server.utils.procs import pid_alive, proc_stat
+from slime_server.utils.procs import kill_group, pid_alive, proc_stat
 from slime_server.utils.shm import SHM_ROOT, reap_dead_pids, torch_shm_files
 
 CHILD = textwrap.dedent("""
@@ -55,9 +55,7 @@ def test_a_killed_ranks_buckets_are_removed_and_a_live_ones_kept() -> None:
         assert len(_files(live.pid)) == 2  # alive: in use, never removed
     finally:
         for p in (dead, live):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(30)
+            kill_group(p)
 
 
 def test_reaping_waits_for_a_kill_to_take_effect() -> None:
@@ -110,6 +108,4 @@ def test_recorded_ranks_of_a_killed_server_are_reaped_by_the_next_one(tmp_path: 
         assert os.listdir(registry) == [f"elsewhere@{dead.pid}"]
     finally:
         for p in (dead, live):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(30)
+            kill_group(p)
