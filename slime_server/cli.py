@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -30,7 +28,7 @@ class Subcommand(Protocol):
 
 
 SUBCOMMANDS: dict[str, str] = {
-    "engines": "slime_server.cli:EnginesCommand",
+    "engines": "slime_server.server.engines_cmd:EnginesCommand",
     "serve": "slime_server.server.serve_cmd:ServeCommand",
     "gateway": "slime_server.server.gateway_cmd:GatewayCommand",
     "demo": "slime_server.demo:DemoCommand",
@@ -38,8 +36,8 @@ SUBCOMMANDS: dict[str, str] = {
     "keys": "slime_server.buffer.keys_cli:KeysCommand",
     "agent": "slime_server.agents.cli:AgentCommand",
     "model": "slime_server.models.registry:ModelCommand",
-    "train": "slime_server.jobs.cli:TrainCommand",
-    "jobs": "slime_server.jobs.cli:JobsCommand",
+    "train": "slime_server.server.jobs_cmd:TrainCommand",
+    "jobs": "slime_server.server.jobs_cmd:JobsCommand",
 }
 
 # flag -> (dotted settings path, type). Values left at None do not override env/YAML.
@@ -143,59 +141,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-
-
-class _Stop(Exception):
-    """Raised in the main thread by SIGINT/SIGTERM so startup and waiting unwind through finally."""
-
-
-def run_until_signal(start, stop) -> int:
-    """Run ``start()``; block until SIGINT/SIGTERM; then ``stop(obj)`` exactly once. Returns 0."""
-    fired = threading.Event()
-
-    def handler(signum: int, frame: object) -> None:
-        if not fired.is_set():
-            fired.set()
-            raise _Stop(signal.Signals(signum).name)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    obj = None
-    try:
-        obj = start()
-        while not fired.wait(3600):
-            pass
-    except _Stop:
-        pass
-    finally:
-        for s in old:  # a second Ctrl-C must not interrupt cleanup
-            signal.signal(s, signal.SIG_IGN)
-        if obj is not None:
-            stop(obj)
-        for s, h in old.items():
-            signal.signal(s, h)
-    return 0
-
-
-class EnginesCommand:
-    help = "start Ray, N rollout engines and the sgl-router; print the router URL; stop on Ctrl-C/SIGTERM"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--log-dir", default=None, help="engine and router logs (default: a temp dir)")
-
-    def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
-        from slime_server.server.launch import Deployment
-
-        def start() -> Deployment:
-            dep = Deployment.start(settings, log_dir=args.log_dir)
-            print(f"router_url: {dep.router_url}", flush=True)
-            for url in dep.engine_urls:
-                print(f"engine_url: {url}", flush=True)
-            print(f"log_dir: {dep.log_dir}", flush=True)
-            return dep
-
-        code = run_until_signal(start, lambda dep: dep.shutdown())
-        print("stopped", flush=True)
-        return code
 
 
 if __name__ == "__main__":

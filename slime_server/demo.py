@@ -117,9 +117,9 @@ class DemoCommand:
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
         import tempfile
 
-        from slime_server.cli import run_until_signal
         from slime_server.server.launch import resolve_model_path
         from slime_server.server.serve_cmd import RunningServer, start_server
+        from slime_server.utils.procs import run_until_signal
 
         no_learn = args.no_learn or args.episodes_only
         exit_at_end = args.exit or args.episodes_only

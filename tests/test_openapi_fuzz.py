@@ -26,7 +26,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from hypothesis import seed as hypothesis_seed
 
-from slime_server.api.protocol import MAX_N as MAX_N_SPEC
+from slime_server.gateway.protocol import MAX_N as MAX_N_SPEC
 from tests._gateway_helpers import MODEL, inprocess_gateway
 
 # Fresh examples on every run, within the fixed budget of max_examples: the seed is drawn per run by

@@ -36,8 +36,8 @@ from slime_server.api.anthropic_protocol import (
     ToolUseBlock,
 )
 from slime_server.api.errors import anthropic_error_body
-from slime_server.api.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
 from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
 from slime_server.gateway.turn import ChatTurn, TurnResult, canonical_request, engine_reason, matched_stop
 from slime_server.gateway.turn_stream import StreamDelta, turn_events
 from slime_server.rollout.protocol import GenerateOutput

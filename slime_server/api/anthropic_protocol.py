@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from slime_server.api.protocol import WireModel
+from slime_server.gateway.protocol import WireModel
 
 MAX_STOP_SEQUENCES = 16
 

@@ -22,9 +22,9 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.deps import Admin, get_gateway
-from slime_server.api.protocol import ErrorResponse
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
+from slime_server.gateway.protocol import ErrorResponse
 from slime_server.rollout.engine_info import engine_weight_version_async
 
 STATIC = Path(str(resources.files("slime_server.api") / "dashboard_static"))

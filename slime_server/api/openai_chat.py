@@ -6,7 +6,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slime_server.api.protocol import (
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.errors import APIError
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -16,9 +19,6 @@ from slime_server.api.protocol import (
     DeltaMessage,
     Usage,
 )
-from slime_server.gateway.core import Gateway
-from slime_server.gateway.errors import APIError
-from slime_server.gateway.principal import Principal
 from slime_server.gateway.turn import ChatTurn, token_logprobs
 from slime_server.gateway.turn_stream import StreamDelta, turn_events
 

@@ -23,7 +23,6 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from slime_server.api.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
 from slime_server.api.responses_protocol import (
     FunctionToolChoice,
     IncompleteDetails,
@@ -42,6 +41,7 @@ from slime_server.buffer.schema import StoredResponse
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError, bad_request
 from slime_server.gateway.principal import Principal
+from slime_server.gateway.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
 from slime_server.gateway.recording import call_store
 from slime_server.gateway.turn import ChatTurn, TurnResult, canonical_request, engine_reason
 from slime_server.gateway.turn_stream import StreamDelta, turn_events

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from slime_server.api.protocol import WireModel
+from slime_server.gateway.protocol import WireModel
 
 
 def new_item_id(prefix: str) -> str:

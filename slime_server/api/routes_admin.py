@@ -16,10 +16,10 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.deps import get_gateway, require_admin
-from slime_server.api.protocol import ErrorResponse
 from slime_server.buffer.key_store import ApiKeyRecord, KeyRole, MintedKey
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
+from slime_server.gateway.protocol import ErrorResponse
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)],
                    responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 503)})

@@ -15,10 +15,10 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.deps import Admin, get_gateway
-from slime_server.api.protocol import ErrorResponse
 from slime_server.buffer.job_store import EventRow, MetricsRow
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
+from slime_server.gateway.protocol import ErrorResponse
 from slime_server.jobs.manager import JobError, JobManager
 from slime_server.jobs.spec import JobSpec, JobView
 

@@ -10,7 +10,12 @@ from starlette.concurrency import run_in_threadpool
 
 from slime_server.api import openai_chat
 from slime_server.api.deps import get_gateway, get_principal
-from slime_server.api.protocol import (
+from slime_server.gateway import recording
+from slime_server.gateway import turn as core
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.errors import bad_request
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
@@ -24,11 +29,6 @@ from slime_server.api.protocol import (
     Usage,
     new_id,
 )
-from slime_server.gateway import recording
-from slime_server.gateway import turn as core
-from slime_server.gateway.core import Gateway
-from slime_server.gateway.errors import bad_request
-from slime_server.gateway.principal import Principal
 from slime_server.gateway.sessions_resolve import resolve_session
 from slime_server.gateway.token_text import incomplete_utf8_tail
 

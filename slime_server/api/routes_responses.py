@@ -15,11 +15,11 @@ from fastapi.responses import StreamingResponse
 
 from slime_server.api import openai_responses as orr
 from slime_server.api.deps import get_gateway, get_principal
-from slime_server.api.protocol import ErrorResponse
 from slime_server.api.responses_protocol import ResponseObject, ResponsesRequest, new_item_id
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import bad_request
 from slime_server.gateway.principal import Principal
+from slime_server.gateway.protocol import ErrorResponse
 from slime_server.gateway.turn import ChatTurn, is_side_turn, validate_chat
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 429, 502, 503)}

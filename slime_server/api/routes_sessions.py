@@ -14,7 +14,11 @@ from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.auth import mint_session_key
 from slime_server.api.deps import get_gateway, get_principal
-from slime_server.api.protocol import (
+from slime_server.api.sessions_views import SessionView, TrajectoryView, session_view, trajectory_view
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.protocol import (
     CreateSessionRequest,
     ErrorResponse,
     FeedbackRequest,
@@ -24,10 +28,6 @@ from slime_server.api.protocol import (
     SessionClosed,
     SessionCreated,
 )
-from slime_server.api.sessions_views import SessionView, TrajectoryView, session_view, trajectory_view
-from slime_server.gateway.core import Gateway
-from slime_server.gateway.errors import APIError, bad_request
-from slime_server.gateway.principal import Principal
 from slime_server.gateway.recording import call_store
 from slime_server.gateway.sessions_resolve import get_session_or_404
 

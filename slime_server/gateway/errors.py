@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime_server.api.protocol import ErrorDetail, ErrorResponse
+from slime_server.gateway.protocol import ErrorDetail, ErrorResponse
 
 _TYPE_FOR_STATUS = {
     400: "invalid_request_error",

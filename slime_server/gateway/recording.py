@@ -13,8 +13,8 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from slime_server.api.protocol import ResponseMessage, Usage, new_id
 from slime_server.gateway.errors import APIError
+from slime_server.gateway.protocol import ResponseMessage, Usage, new_id
 from slime_server.gateway.threads import in_thread
 
 TOKENS = Counter("slime_recorded_tokens_total", "tokens of recorded turns, as billed in usage", ["kind"])

@@ -23,7 +23,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from slime_server.api.protocol import DeltaFunctionCall, DeltaToolCall, new_id
+from slime_server.gateway.protocol import DeltaFunctionCall, DeltaToolCall, new_id
 
 
 @dataclass

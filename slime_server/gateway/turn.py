@@ -21,7 +21,11 @@ from typing import Any
 import jsonschema
 from pydantic import ValidationError
 
-from slime_server.api.protocol import (
+from slime_server.gateway import recording
+from slime_server.gateway.core import Gateway
+from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.principal import Principal
+from slime_server.gateway.protocol import (
     ChatCompletionRequest,
     FunctionCall,
     NamedToolChoice,
@@ -32,10 +36,6 @@ from slime_server.api.protocol import (
     Usage,
     new_id,
 )
-from slime_server.gateway import recording
-from slime_server.gateway.core import Gateway
-from slime_server.gateway.errors import APIError, bad_request
-from slime_server.gateway.principal import Principal
 from slime_server.gateway.sessions_resolve import resolve_session
 from slime_server.gateway.token_text import final_text, token_string
 from slime_server.rollout.protocol import GenerateOutput

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from slime_server.api.protocol import ChoiceLogprobs, DeltaMessage
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.engine_client import EngineError
+from slime_server.gateway.protocol import ChoiceLogprobs, DeltaMessage
 from slime_server.gateway.token_text import streamable
 from slime_server.gateway.turn import ChatTurn, TurnResult, answer_text, build_message, token_logprobs
 from slime_server.rollout.protocol import GenerateOutput

@@ -186,8 +186,8 @@ class ServeCommand:
         # online learning: the settings' online section (--online, --judge-url, ... are settings flags)
 
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
-        from slime_server.cli import run_until_signal
         from slime_server.utils.eval_args import parse_eval_data
+        from slime_server.utils.procs import run_until_signal
 
         evals = parse_eval_data(args.eval_data)
         section = settings.online

@@ -1,5 +1,6 @@
 """Child-process management: every server we spawn lives in its own process group so
-that shutdown (Ctrl-C, SIGTERM, test teardown) can kill it and all its children."""
+that shutdown (Ctrl-C, SIGTERM, test teardown) can kill it and all its children; and
+``run_until_signal``, the main thread's wait of every long-running command."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,3 +115,34 @@ def cli_flags(args: Mapping[str, Any]) -> list[str]:
         else:
             out += [flag, str(value)]
     return out
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGINT/SIGTERM so startup and waiting unwind through finally."""
+
+
+def run_until_signal(start: Any, stop: Any) -> int:
+    """Run ``start()``; block until SIGINT/SIGTERM; then ``stop(obj)`` exactly once. Returns 0."""
+    fired = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        if not fired.is_set():
+            fired.set()
+            raise _Stop(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    obj = None
+    try:
+        obj = start()
+        while not fired.wait(3600):
+            pass
+    except _Stop:
+        pass
+    finally:
+        for s in old:  # a second Ctrl-C must not interrupt cleanup
+            signal.signal(s, signal.SIG_IGN)
+        if obj is not None:
+            stop(obj)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0
