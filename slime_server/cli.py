@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from slime_server.config import ConfigError, ServerSettings, SetupError, load_settings, split_passthrough
+from slime_server.utils.logs import setup_logging
 
 
 class Subcommand(Protocol):
@@ -133,7 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args, passthrough)
     except (ConfigError, ValidationError) as e:
         parser.error(f"invalid settings: {e}")
-    from slime_server.utils.logs import setup_logging
 
     setup_logging(settings.log.level, settings.log.format)
     try:

@@ -21,7 +21,10 @@ from typing import Any
 import httpx
 
 from slime_server.config import ServerSettings
+from slime_server.demo_learning import DemoLearningSettings, ensure_warm_start, run_rl
+from slime_server.server.launch import resolve_model_path
 from slime_server.utils.eval_args import parse_eval_data
+from slime_server.utils.procs import run_until_signal
 
 WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
@@ -97,8 +100,6 @@ class DemoCommand:
         parser.add_argument("--episodes-only", action="store_true", help="same as --no-learn --exit")
 
     def learning_settings(self, args: argparse.Namespace) -> Any:
-        from slime_server.demo_learning import DemoLearningSettings
-
         values = DemoLearningSettings(seed=args.seed).model_dump()
         if args.steps is not None:
             values["rl_steps"] = args.steps
@@ -117,9 +118,7 @@ class DemoCommand:
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
         import tempfile
 
-        from slime_server.server.launch import resolve_model_path
-        from slime_server.server.serve_cmd import RunningServer, start_server
-        from slime_server.utils.procs import run_until_signal
+        from slime_server.server.serve_cmd import RunningServer, start_server  # lazy: loads starlette
 
         no_learn = args.no_learn or args.episodes_only
         exit_at_end = args.exit or args.episodes_only
@@ -128,8 +127,6 @@ class DemoCommand:
         eval_sets = parse_eval_data(args.eval_data)
         learn = None if no_learn else self.learning_settings(args)
         if learn is not None:
-            from slime_server.demo_learning import ensure_warm_start
-
             warm = ensure_warm_start(resolve_model_path(settings.engine.model), learn)
             trainer = settings.trainer.model_copy(update={
                 "work_dir": str(work / "jobs"), "torch_threads": max(settings.trainer.torch_threads, 2)})
@@ -171,8 +168,6 @@ class DemoCommand:
 
 def learn_and_report(running: Any, admin_key: str | None, learn: Any, work: Path,
                      eval_sets: list[tuple[str, str]]) -> None:
-    from slime_server.demo_learning import run_rl
-
     root = running.base_url.removesuffix("/v1")
     result = run_rl(root, admin_key, learn, work, extra_evals=eval_sets)
     held = [e for e in result.evals if e["name"] == "held_out"]

@@ -29,7 +29,8 @@ from pydantic import BaseModel, Field
 
 from slime_server.envs.base import DatasetRow
 from slime_server.envs.calculator import NAMES, TEMPLATES, CalculatorEnv, evaluate, format_number
-from slime_server.trainer.sft import SFTSettings
+from slime_server.models.tiny import default_cache_dir
+from slime_server.trainer.sft import SFTSettings, conversation_sample, run_sft
 
 # +, -, * word problems with one-digit operands: copying a digit is learnable by a 3 M-parameter
 # model in a couple hundred SFT steps, so the warm start is cheap and RL has a clear target.
@@ -124,8 +125,6 @@ def warm_start_conversations(n: int, seed: int = WARM_START_SEED) -> list[list[d
 def _sft_child(base: str, out: str, settings_json: str, n_conv: int) -> None:
     from transformers import AutoTokenizer
 
-    from slime_server.trainer.sft import conversation_sample, run_sft
-
     settings = SFTSettings.model_validate_json(settings_json)
     tok = AutoTokenizer.from_pretrained(base)
     tools = CalculatorEnv().tools()
@@ -155,8 +154,6 @@ def ensure_warm_start(base: str | Path, settings: DemoLearningSettings) -> Path:
     import hashlib
     import shutil
     import tempfile
-
-    from slime_server.models.tiny import default_cache_dir
 
     base = Path(base).resolve()
     digest = hashlib.sha256()

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from slime_server.utils.net import address_towards, interface_of
+
 DEFAULT_BUCKET_BYTES = 512 * 2**20  # slime's --update-weight-buffer-size default
 FLATTENED_BUCKET = "flattened_bucket"
 
@@ -552,8 +554,6 @@ def _gloo_interface_towards(master_address: str | None) -> Iterator[None]:
     network namespace). So, unless the user set it, use the interface that holds our address towards
     rank 0, for the construction of this group only."""
     import os
-
-    from slime_server.utils.net import address_towards, interface_of
 
     name = None
     if master_address is not None and "GLOO_SOCKET_IFNAME" not in os.environ:

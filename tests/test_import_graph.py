@@ -175,3 +175,93 @@ def test_the_gateway_core_is_below_http() -> None:
     importers = {m for m, deps in graph.items() if any(d.startswith("slime_server.server") for d in deps)}
     assert {m for m in importers if not m.startswith("slime_server.server")} <= {
         "slime_server.demo"}, importers  # the other commands are in server/ (cli.py names them as strings)
+
+
+# What an import inside a function may put off: a dependency that costs seconds or memory to load, is an
+# optional extra, or is the HTTP layer (the core and the trainer must not load it for nothing).
+_DEFERRABLE = {"torch", "megatron", "ray", "transformers", "tokenizers", "safetensors", "gguf", "accelerate",
+               "psycopg", "sglang", "sglang_router", "transformer_engine", "matplotlib", "pyarrow", "wandb",
+               "tensorboardX", "mcp", "openai", "jinja2", "fastapi", "starlette", "uvicorn"}
+
+
+def _top_and_deferred(mod: str) -> tuple[set[str], set[str], list[ast.ImportFrom]]:
+    """(our modules ``mod`` imports at import time, third-party names it loads then, our modules it imports
+    inside functions). Class bodies run at import time; function bodies do not."""
+    mods = _modules()
+    path = mods[mod]
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    ours: set[str] = set()
+    third: set[str] = set()
+    deferred: list[ast.ImportFrom] = []
+
+    def targets(node: ast.Import | ast.ImportFrom) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*anchor, *([node.module] if node.module else [])])
+        return [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if _type_checking_only(node):
+            for child in node.orelse:  # type: ignore[attr-defined]
+                visit(child, in_function)
+            return
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = targets(node)
+            if in_function:
+                if isinstance(node, ast.ImportFrom) and any(n.startswith("slime_server.") for n in names):
+                    deferred.append(node)
+                return
+            for name in names:
+                if name.startswith("slime_server."):
+                    while name not in mods:
+                        name = name.rpartition(".")[0]
+                    ours.add(name)
+                else:
+                    third.add(name.split(".")[0])
+            return
+        inside = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return ours, third, deferred
+
+
+def test_an_import_inside_a_function_defers_something_heavy_and_says_what() -> None:
+    """An import of our own module inside a function must put off loading a dependency from
+    ``_DEFERRABLE`` that the importing module does not load at import time, and say which in a comment on
+    its line; any other belongs at the top (there is no import circle to dodge)."""
+    mods = _modules()
+    parts = {m: _top_and_deferred(m) for m in mods}
+    loads: dict[str, set[str]] = {}
+
+    def loaded(mod: str) -> set[str]:
+        if mod not in loads:
+            seen, todo, names = {mod}, [mod], set()
+            while todo:
+                ours, third, _ = parts[todo.pop()]
+                names |= third
+                todo.extend(o for o in ours - seen)
+                seen |= ours
+            loads[mod] = names
+        return loads[mod]
+
+    needless, silent = [], []
+    for mod, (_, _, deferred) in parts.items():
+        lines = mods[mod].read_text().splitlines()
+        for node in deferred:
+            target = node.module or ""
+            while target not in mods:
+                target = target.rpartition(".")[0]
+            extra = (loaded(target) - loaded(mod)) & _DEFERRABLE
+            where = f"{mod}:{node.lineno} ({node.module})"
+            if not extra:
+                needless.append(where)
+            elif "# lazy: " not in lines[node.lineno - 1]:
+                silent.append(f"{where} defers {sorted(extra)}")
+    assert not needless, "imports inside functions that defer nothing heavy (move them to the top): " + ", ".join(
+        needless)
+    assert not silent, "deferred imports without a '# lazy: ...' comment: " + ", ".join(silent)

@@ -8,6 +8,9 @@ import json
 import sys
 from typing import Any
 
+from slime_server.agents.runner import AgentRunner, RunnerSettings
+from slime_server.envs.base import get_environment, load_jsonl
+
 
 class AgentCommand:
     help = "run environment episodes against a slime-server through the openai SDK (agent run --env ...)"
@@ -27,9 +30,6 @@ class AgentCommand:
         parser.add_argument("--no-rewards", action="store_true", help="do not post rewards (evaluation)")
 
     def run(self, args: argparse.Namespace, settings: Any) -> int:
-        from slime_server.agents.runner import AgentRunner, RunnerSettings
-        from slime_server.envs.base import get_environment, load_jsonl
-
         try:
             env = get_environment(args.env)
         except (ValueError, ImportError, AttributeError, TypeError) as e:

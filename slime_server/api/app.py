@@ -25,6 +25,7 @@ from slime_server.api import (
 )
 from slime_server.api.access_log import AccessLogMiddleware
 from slime_server.api.errors import BodySizeLimitMiddleware, install_error_handlers
+from slime_server.buffer.open import open_key_store
 from slime_server.config import GatewaySettings
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.engine_client import EngineClient
@@ -56,7 +57,6 @@ def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
                            renderer=renderer, sessions=sessions, store=store)
     source = getattr(store, "url", None) or getattr(store, "path", None)
     if source:  # minted keys live beside the trajectories (same SQLite file or Postgres database)
-        from slime_server.buffer.open import open_key_store
 
         app.state.gw.keys = open_key_store(source)
     install_error_handlers(app)

@@ -27,6 +27,7 @@ from slime_server.buffer.key_store import hash_secret, parse_key
 from slime_server.config import SetupError
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.principal import Principal
+from slime_server.utils.net import is_loopback
 
 SESSION_KEY_PREFIX = "sk-sess-"
 
@@ -38,8 +39,6 @@ class GatewayExposureError(SetupError):
 def check_bind(host: str, admin_api_key: str | None, insecure: bool) -> bool:
     """Refuse a gateway on a non-loopback ``host`` without an admin key unless ``insecure``; True when it
     will run exposed that way (the caller warns). Only the admin key counts: ``api_key`` is what agents hold."""
-    from slime_server.utils.net import is_loopback
-
     if admin_api_key or is_loopback(host):
         return False
     if not insecure:

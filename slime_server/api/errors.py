@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from slime_server.buffer.schema import StoreError
 from slime_server.gateway.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,6 @@ async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error the app can raise through the OpenAI error format."""
-    from slime_server.buffer.schema import StoreError
-
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(StoreError, _store_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)

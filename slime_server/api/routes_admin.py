@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.deps import get_gateway, require_admin
+from slime_server.buffer.export import SampleNumbering
 from slime_server.buffer.key_store import ApiKeyRecord, KeyRole, MintedKey
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
@@ -65,8 +66,6 @@ async def revoke_key(key_id: str, gw: GW) -> ApiKeyRecord:
 async def export(gw: GW, status: Literal["finished", "open", "aborted", "all"] = "finished",
                  rewarded_only: bool = False, limit: Annotated[int | None, Query(ge=1)] = None) -> StreamingResponse:
     """Trajectories as slime samples, one JSON object per line (what ``slime-server export`` writes)."""
-    from slime_server.buffer.export import SampleNumbering
-
     it = SampleNumbering().samples(gw.store.iter_trajectories(status=None if status == "all" else status,
                                                               rewarded=True if rewarded_only else None))
 

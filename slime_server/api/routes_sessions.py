@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from slime_server.api.auth import mint_session_key
 from slime_server.api.deps import get_gateway, get_principal
 from slime_server.api.sessions_views import SessionView, TrajectoryView, session_view, trajectory_view
+from slime_server.buffer.schema import new_id
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError, bad_request
 from slime_server.gateway.principal import Principal
@@ -41,7 +42,6 @@ Caller = Annotated[Principal, Depends(get_principal)]
 @router.post("/sessions", response_model=SessionCreated)
 async def create_session(body: CreateSessionRequest, gw: GW, principal: Caller) -> SessionCreated:
     principal.require_agent()
-    from slime_server.buffer.schema import new_id
 
     session_id = new_id("sess")
     key, key_hash = mint_session_key(session_id) if body.with_key else (None, None)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from slime_server.buffer.open import is_postgres_url, open_store
 from slime_server.buffer.schema import Trajectory, TrajectoryStatus
 from slime_server.buffer.store import TrajectoryStore
 
@@ -159,8 +160,6 @@ class ExportCommand:
 
     def run(self, args: Any, settings: Any) -> int:
         import sys
-
-        from slime_server.buffer.open import is_postgres_url, open_store
 
         db = args.db_path or settings.gateway.db_path
         if not is_postgres_url(db) and not Path(db).is_file():  # never create an empty store by mistake

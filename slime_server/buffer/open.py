@@ -24,7 +24,7 @@ def is_postgres_url(url_or_path: str | Path) -> bool:
 def open_store(url_or_path: str | Path, **kwargs: Any) -> TrajectoryStore:
     """The trajectory store at ``url_or_path``; ``kwargs`` go to the store's constructor."""
     if is_postgres_url(url_or_path):
-        from slime_server.buffer.postgres_store import PostgresTrajectoryStore  # psycopg: the postgres extra
+        from slime_server.buffer.postgres_store import PostgresTrajectoryStore  # lazy: loads psycopg
 
         return PostgresTrajectoryStore(str(url_or_path), **kwargs)
     return SQLiteTrajectoryStore(url_or_path, **kwargs)
@@ -33,7 +33,7 @@ def open_store(url_or_path: str | Path, **kwargs: Any) -> TrajectoryStore:
 def open_job_store(url_or_path: str | Path) -> JobStore:
     """The job store (``SQLiteJobStore`` or ``PostgresJobStore``) for ``url_or_path``."""
     if is_postgres_url(url_or_path):
-        from slime_server.buffer.postgres_store import PostgresJobStore
+        from slime_server.buffer.postgres_store import PostgresJobStore  # lazy: loads psycopg
 
         return PostgresJobStore(str(url_or_path))
     return SQLiteJobStore(url_or_path)
@@ -42,7 +42,7 @@ def open_job_store(url_or_path: str | Path) -> JobStore:
 def open_key_store(url_or_path: str | Path) -> KeyStore:
     """The key store (``SQLiteKeyStore`` or ``PostgresKeyStore``) for ``url_or_path``."""
     if is_postgres_url(url_or_path):
-        from slime_server.buffer.postgres_store import PostgresKeyStore
+        from slime_server.buffer.postgres_store import PostgresKeyStore  # lazy: loads psycopg
 
         return PostgresKeyStore(str(url_or_path))
     return SQLiteKeyStore(url_or_path)

@@ -46,7 +46,7 @@ async def prepare_turn(sessions: Any, session_id: str | None, messages: list[dic
 async def prepare_raw(store: Any, session_id: str | None, prompt_ids: list[int], n: int,
                       owner: str | None = None) -> Any:
     """A turn for ``/v1/completions``: raw prompt ids, always a fresh trajectory (new segment)."""
-    from slime_server.gateway.sessions import PreparedTurn
+    from slime_server.gateway.sessions import PreparedTurn  # lazy: loads transformers
 
     if session_id is None:
         return PreparedTurn(session_id=new_id("sess"), ephemeral=True, mode="new", prompt_ids=prompt_ids,
@@ -64,7 +64,7 @@ async def prepare_raw(store: Any, session_id: str | None, prompt_ids: list[int],
 async def commit_turn(sessions: Any, prepared: Any, outcomes: list[ChoiceOutcome], response_id: str,
                       usage: Usage) -> list[Any]:
     """Durably record every choice; returns the session layer's turn records."""
-    from slime_server.gateway.sessions import ChoiceResult
+    from slime_server.gateway.sessions import ChoiceResult  # lazy: loads transformers
 
     choices = [
         ChoiceResult(
@@ -87,7 +87,7 @@ def call_store(fn, *args: Any, **kwargs: Any) -> Any:
     except APIError:
         raise
     except Exception as e:
-        from slime_server.gateway.chat_template import ChatTemplateError
+        from slime_server.gateway.chat_template import ChatTemplateError  # lazy: loads transformers
 
         if isinstance(e, ChatTemplateError):  # the conversation cannot be rendered: the client's input
             raise APIError(400, str(e), param=e.param, code=e.code) from e

@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from slime_server.agents.runner import AgentRunner, RunnerSettings
+from slime_server.envs.base import get_environment, load_jsonl
 from slime_server.jobs.spec import EvalSpec, JobSpec
 from slime_server.trainer.loop import TrainLoop
 
@@ -19,9 +21,6 @@ class DatasetDriver:
 
     def __init__(self, spec: JobSpec, loop: TrainLoop, base_url: str, api_key: str | None,
                  on_event: Callable[[str, dict[str, Any]], None]) -> None:
-        from slime_server.agents.runner import AgentRunner, RunnerSettings
-        from slime_server.envs.base import get_environment, load_jsonl
-
         d = spec.data
         env = get_environment(d.environment or "")
         self.rows = load_jsonl(d.dataset) if d.dataset else env.default_dataset(d.num_prompts, seed=d.seed)
@@ -104,9 +103,6 @@ class Evaluator:
 
     def _run(self, specs: list[EvalSpec], step: int, version: int) -> None:
         import asyncio
-
-        from slime_server.agents.runner import AgentRunner, RunnerSettings
-        from slime_server.envs.base import get_environment, load_jsonl
 
         try:
             for e in specs:

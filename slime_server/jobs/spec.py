@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slime_server.buffer.job_store import JobRow
+from slime_server.envs.base import get_environment
 from slime_server.job_logging import WandbSpec
 from slime_server.trainer.advantages import AdvantageConfig, Estimator
 from slime_server.trainer.critic import CriticSettings
@@ -75,8 +76,6 @@ class EvalSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> EvalSpec:
-        from slime_server.envs.base import get_environment
-
         get_environment(self.environment)
         if self.dataset is not None and not Path(self.dataset).is_file():
             raise ValueError(f"eval dataset {self.dataset!r} is not a file")
@@ -128,8 +127,6 @@ class JobSpec(_Strict):
     def _check(self) -> JobSpec:
         self._check_modes()
         if self.data.source == "dataset":
-            from slime_server.envs.base import get_environment
-
             if not self.data.environment:
                 raise ValueError("data.source 'dataset' needs data.environment (e.g. 'calculator')")
             get_environment(self.data.environment)  # unknown names fail at submit time

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slime_server.models.tiny import default_cache_dir
+
 BUILD_MARKER = ".slime_fetched"  # written last: a directory without it is an interrupted build
 
 
@@ -48,8 +50,6 @@ MODELS: dict[str, RegistryModel] = {
 
 def cache_root() -> Path:
     """The tiny model's cache: ``$SLIME_SERVER_CACHE/models``, else ``~/.cache/slime-server/models``."""
-    from slime_server.models.tiny import default_cache_dir
-
     return default_cache_dir()
 
 

@@ -18,9 +18,10 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from slime_server.config import EngineKind
+from slime_server.config import EngineKind, EngineSettings
 from slime_server.rollout.engine_auth import KEY_ENV, check_exposure
 from slime_server.rollout.owned import spawn_owned, start_retrying
+from slime_server.rollout.sglang_launcher import build_sglang_command
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group
 
@@ -63,9 +64,6 @@ def engine_command(spec: EngineSpec, port: int) -> list[str]:
     """The server command line for ``spec`` on ``port``. SGLang takes its key only as ``--api-key``; the CPU
     engine gets it in its environment (``engine_env``), out of ``ps``'s sight."""
     if spec.kind == "sglang":
-        from slime_server.config import EngineSettings
-        from slime_server.rollout.sglang_launcher import build_sglang_command
-
         engine = EngineSettings(kind="sglang", host=spec.host, max_running_requests=spec.max_running_requests,
                                 sglang_args=spec.sglang_args)
         return build_sglang_command(engine, spec.model_path, port, api_key=spec.api_key)

@@ -8,15 +8,15 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from slime_server.api.app import create_app
+from slime_server.buffer.open import open_store
 from slime_server.config import GatewaySettings
 
 
 def build_gateway(router_url: str, model_path: str | Path, settings: GatewaySettings,
                   engine_api_key: str | None = None) -> FastAPI:
     """Wire renderer, store (a SQLite file, or Postgres shared by replicas) and session manager into the app."""
-    from slime_server.buffer.open import open_store
-    from slime_server.gateway.chat_template import ChatRenderer
-    from slime_server.gateway.sessions import SessionManager
+    from slime_server.gateway.chat_template import ChatRenderer  # lazy: loads transformers
+    from slime_server.gateway.sessions import SessionManager  # lazy: loads transformers
 
     renderer = ChatRenderer(model_path, tools_fallback=settings.tools_fallback)
     store = open_store(settings.db_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from slime_server.config import ServerSettings
+from slime_server.server.launch import Deployment
 from slime_server.utils.procs import run_until_signal
 
 
@@ -16,8 +17,6 @@ class EnginesCommand:
         parser.add_argument("--log-dir", default=None, help="engine and router logs (default: a temp dir)")
 
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
-        from slime_server.server.launch import Deployment
-
         def start() -> Deployment:
             dep = Deployment.start(settings, log_dir=args.log_dir)
             print(f"router_url: {dep.router_url}", flush=True)

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from slime_server.config import GatewaySettings, ServerSettings
+from slime_server.server.gateway_thread import GatewayThread, bind_listener
+from slime_server.server.launch import Deployment, ray_cpus_needed, resolve_model_path
 
 
 @dataclass
@@ -43,8 +45,6 @@ def judge_server_settings(settings: ServerSettings, model: str, num_engines: int
 
 def with_judge_cpus(settings: ServerSettings, judge_engines: int) -> ServerSettings:
     """Reserve Ray CPUs for the judge's engines too, when this process starts the (local) cluster."""
-    from slime_server.server.launch import ray_cpus_needed
-
     if settings.ray.address or judge_engines <= 0:
         return settings
     extra = judge_engines * settings.engine.num_cpus_per_engine
@@ -55,9 +55,7 @@ def with_judge_cpus(settings: ServerSettings, judge_engines: int) -> ServerSetti
 def start_judge_deployment(settings: ServerSettings, model: str, num_engines: int,
                            log_dir: str | Path | None) -> JudgeDeployment:
     """Engines + router + a loopback serve-only gateway for the judge; Ray must already be up."""
-    from slime_server.server.build import build_gateway
-    from slime_server.server.gateway_thread import GatewayThread, bind_listener
-    from slime_server.server.launch import Deployment, resolve_model_path
+    from slime_server.server.build import build_gateway  # lazy: loads fastapi, starlette, torch
 
     if num_engines < 1:
         raise ValueError("the judge needs at least one engine")

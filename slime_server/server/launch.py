@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from slime_server.config import EngineSettings, ServerSettings, SetupError, TrainerSettings
+from slime_server.models.registry import MODELS, fetch_model
+from slime_server.models.tiny import ensure_tiny_model
 from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, log_path_for
 from slime_server.rollout.engine_auth import engine_key
 from slime_server.rollout.router import RouterProcess
@@ -28,10 +30,7 @@ def resolve_model_path(model: str) -> str:
     """``"tiny"`` -> the cached built-in tiny model; a registry name (``"smollm2"``) that is not a local path ->
     its converted directory (fetched once); anything else is used as given."""
     if model == "tiny":
-        from slime_server.models.tiny import ensure_tiny_model
-
         return str(ensure_tiny_model())
-    from slime_server.models.registry import MODELS, fetch_model
 
     if model in MODELS and not Path(model).exists():
         return str(fetch_model(model))
@@ -281,9 +280,9 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
     Colocated ranks reserve no CPU of their own: they share the engines' share and the loop pauses
     generation while they step and push.
     """
-    from slime_server.trainer.actor import TrainerGroup, TrainerRankSettings
-    from slime_server.trainer.losses import LossConfig
-    from slime_server.trainer.train_step import TrainStepSettings
+    from slime_server.trainer.actor import TrainerGroup, TrainerRankSettings  # lazy: loads torch
+    from slime_server.trainer.losses import LossConfig  # lazy: loads torch
+    from slime_server.trainer.train_step import TrainStepSettings  # lazy: loads torch
 
     rank_settings = TrainerRankSettings(
         hf_path=model_path, tp_size=trainer.tp_size, pp_size=trainer.pp_size, optimizer=optimizer,

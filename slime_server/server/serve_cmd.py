@@ -12,11 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slime_server.buffer.open import open_job_store
 from slime_server.config import GatewaySettings, ServerSettings
 from slime_server.online.attach import attach_online
 from slime_server.online.preset import feedback_settings, online_job_spec
 from slime_server.rollout.supervisor import EngineSupervisor
 from slime_server.server.gateway_thread import GatewayThread, bind_listener
+from slime_server.server.judge_server import start_judge_deployment, with_judge_cpus
+from slime_server.server.launch import Deployment, rank_registry, resolve_model_path, start_trainer_group
+from slime_server.utils.eval_args import parse_eval_data
+from slime_server.utils.procs import run_until_signal
+from slime_server.utils.shm import reap_recorded
 
 
 @dataclass
@@ -52,11 +58,8 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
 
     ``push_guard`` (``EngineSupervisor.updating_weights``) is entered by every job's loop around its weight
     pushes, so engines paused for an update are not judged unhealthy."""
-    from slime_server.buffer.open import open_job_store
-    from slime_server.jobs.manager import JobManager
-    from slime_server.jobs.spec import JobSpec
-    from slime_server.server.launch import rank_registry, start_trainer_group
-    from slime_server.utils.shm import reap_recorded
+    from slime_server.jobs.manager import JobManager  # lazy: loads torch
+    from slime_server.jobs.spec import JobSpec  # lazy: loads torch
 
     tr = settings.trainer
     removed, freed = reap_recorded(rank_registry(tr))  # ranks of a server that was killed: their buckets
@@ -96,7 +99,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
 
 def start_online_job(jobs: Any, body: dict[str, Any]) -> None:
     """The online preset's live job, unless a job is already active (e.g. restored after a restart)."""
-    from slime_server.jobs.spec import ACTIVE, JobSpec
+    from slime_server.jobs.spec import ACTIVE, JobSpec  # lazy: loads torch
 
     active = [j.id for j in jobs.list() if j.status in ACTIVE]
     if active:
@@ -112,9 +115,8 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
                  judge_engine_model: str | None = None, judge_engines: int = 1) -> RunningServer:
     """Engines + router under Ray, the job manager (trainer ranks start per job), the gateway in front
     (and, with ``judge_engine_model``, the online judge on engines and a router of its own)."""
-    from slime_server.api.auth import check_bind
-    from slime_server.server.build import build_gateway
-    from slime_server.server.launch import Deployment, resolve_model_path
+    from slime_server.api.auth import check_bind  # lazy: loads fastapi
+    from slime_server.server.build import build_gateway  # lazy: loads fastapi, torch
 
     if check_bind(gw_settings.host, gw_settings.admin_api_key, gw_settings.insecure):  # before anything starts
         print(f"warning: serving on {gw_settings.host} with no admin key (--insecure-gateway)", flush=True)
@@ -122,8 +124,6 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
     if gw_settings.served_model_name is None and model_path != settings.engine.model:  # "tiny", "smollm2"
         gw_settings = gw_settings.model_copy(update={"served_model_name": settings.engine.model})
     if judge_engine_model is not None:
-        from slime_server.server.judge_server import with_judge_cpus
-
         settings = with_judge_cpus(settings, judge_engines)
     listener = bind_listener(gw_settings.host, gw_settings.port)  # ours from here on (0: any free port)
     gw_settings = gw_settings.model_copy(update={"port": int(listener.getsockname()[1])})
@@ -136,8 +136,6 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
     try:
         print(f"router_url: {dep.router_url}", flush=True)
         if judge_engine_model is not None and online is not None:
-            from slime_server.server.judge_server import start_judge_deployment
-
             judge = start_judge_deployment(settings, judge_engine_model, judge_engines, dep.log_dir)
             online = online.model_copy(update={"judge": online.judge.model_copy(
                 update={"base_url": judge.base_url, "model": None, "api_key": "none"})})
@@ -186,9 +184,6 @@ class ServeCommand:
         # online learning: the settings' online section (--online, --judge-url, ... are settings flags)
 
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
-        from slime_server.utils.eval_args import parse_eval_data
-        from slime_server.utils.procs import run_until_signal
-
         evals = parse_eval_data(args.eval_data)
         section = settings.online
         online = feedback_settings(section) if section.enabled else None

@@ -19,10 +19,17 @@ import torch
 from pydantic import BaseModel, Field
 
 from slime_server.trainer.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
-from slime_server.trainer.critic import CriticSettings
+from slime_server.trainer.convert import iter_hf_tensors, load_hf_checkpoint_into
+from slime_server.trainer.critic import CriticSettings, build_value_model, compute_values, critic_step
+from slime_server.trainer.model import build_gpt_model
 from slime_server.trainer.optimizer import OptimizerBundle, OptimizerSettings, build_optimizer
+from slime_server.trainer.parallel import destroy_parallel, init_parallel, open_rendezvous
+from slime_server.trainer.pipeline import gather_stages, pipeline_hf_tensors
 from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
 from slime_server.trainer.types import TrainSample
+from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher, is_push_sender
+from slime_server.utils.shm import forget_ranks, reap_dead_pids, record_ranks
+from slime_server.weights import SharedStaging, share_in_place
 
 if TYPE_CHECKING:
     from slime_server.trainer.convert import Staging
@@ -96,18 +103,12 @@ class TrainerRank:
     def open_rendezvous(self, world_size: int) -> tuple[str, int]:
         """Rank 0, before ``setup``: the group's rendezvous store, bound now on a port the OS picks; this node's
         IP and that port, for every rank's ``RendezvousInfo``."""
-        from slime_server.trainer.parallel import open_rendezvous
-
         self._store = open_rendezvous(world_size)
         return self.node_ip(), int(self._store.port)
 
     def setup(self, rendezvous: RendezvousInfo | None = None) -> dict[str, int]:
         """Init torch.distributed + Megatron groups, build the model, load weights, build the optimizer."""
         from transformers import AutoConfig
-
-        from slime_server.trainer.convert import load_hf_checkpoint_into
-        from slime_server.trainer.model import build_gpt_model
-        from slime_server.trainer.parallel import init_parallel
 
         torch.set_num_threads(self.settings.torch_threads)
         self.rendezvous = rendezvous or self.rendezvous
@@ -132,8 +133,6 @@ class TrainerRank:
             load_hf_checkpoint_into(ref, self.settings.reference_path or self.settings.hf_path)
             self.reference = ref.eval().requires_grad_(False)
         if self.settings.critic is not None:
-            from slime_server.trainer.critic import build_value_model
-
             value_model = build_value_model(self.settings.hf_path, params_dtype=dtype,
                                             megatron_args=self.settings.megatron_args,
                                             init_from=self.settings.critic.init_from)
@@ -174,15 +173,11 @@ class TrainerRank:
 
     def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """The critic's per-token values (aligned to the tokens), as plain lists."""
-        from slime_server.trainer.critic import compute_values
-
         return [v.tolist() for v in compute_values(self._critic().model, samples,
                                                    self.settings.train.max_tokens_per_micro_batch)]
 
     def train_critic(self, samples: Sequence[TrainSample], old_values: Sequence[Sequence[float]]) -> dict[str, float]:
         """One critic optimizer step towards the samples' ``returns`` (clipped around ``old_values``)."""
-        from slime_server.trainer.critic import critic_step
-
         assert self.settings.critic is not None
         return critic_step(self._critic(), samples, [torch.tensor(v, dtype=torch.float32) for v in old_values],
                            self.settings.critic, self.settings.train.max_tokens_per_micro_batch)
@@ -214,16 +209,11 @@ class TrainerRank:
     def named_hf_tensors(self, staging: Staging | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (TP shards all-gathered; with PP > 1 the later stages' streamed to the first)
         for the bucketed weight push (collective); ``staging``: see ``convert.megatron_tensor_to_hf``."""
-        from slime_server.trainer.pipeline import pipeline_hf_tensors
-
         yield from pipeline_hf_tensors(self._ready().model, staging)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """``named_hf_tensors`` materialised on CPU (for Ray callers and tests); with PP > 1 every stage's
         tensors, merged on every rank."""
-        from slime_server.trainer.convert import iter_hf_tensors
-        from slime_server.trainer.pipeline import gather_stages
-
         return gather_stages({name: t.detach().to("cpu", copy=True) for name, t in iter_hf_tensors(self._ready().model)})
 
     def push_weights(self, engine_urls: Sequence[str], version: int | str,
@@ -231,9 +221,6 @@ class TrainerRank:
         """Bucketed push of the current weights to ``engine_urls`` as ``version`` (collective: every rank
         joins the TP gathers, only the sender rank sends). The pusher and its buffers are kept while the
         engine set and bucket size stay the same, so steady-state pushes reuse their shm buckets."""
-        from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher, is_push_sender
-        from slime_server.weights import SharedStaging, share_in_place
-
         key = (tuple(engine_urls), bucket_bytes or DEFAULT_BUCKET_BYTES)
         if getattr(self, "_pusher_key", None) != key:
             if getattr(self, "_pusher", None) is not None:
@@ -266,8 +253,6 @@ class TrainerRank:
         return self.node_id(), socket.gethostname(), os.getpid()
 
     def shutdown(self) -> None:
-        from slime_server.trainer.parallel import destroy_parallel
-
         if getattr(self, "_pusher", None) is not None:
             self._pusher.close()
             self._pusher = None
@@ -306,8 +291,6 @@ class TrainerGroup:
         ip, port = ray.get(self.actors[0].open_rendezvous.remote(self.world_size))
         self._ranks = [(str(node), str(host), int(pid)) for node, host, pid in self._all("where")]
         if self.registry is not None:
-            from slime_server.utils.shm import record_ranks
-
             record_ranks(self.registry, [(host, pid) for _, host, pid in self._ranks])
         return ray.get([
             a.setup.remote(RendezvousInfo(rank=r, world_size=self.world_size, master_addr=ip, master_port=port))
@@ -376,8 +359,6 @@ class TrainerGroup:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from slime_server.utils.shm import reap_dead_pids
-
         here = ray.get_runtime_context().get_node_id()
         by_node: dict[str, list[int]] = {}
         for node, _, pid in self._ranks:
@@ -399,8 +380,6 @@ class TrainerGroup:
         if removed:
             log.info("removed %d shared-memory files (%.1f MB) of dead trainer ranks", removed, freed / 1e6)
         if self.registry is not None:
-            from slime_server.utils.shm import forget_ranks
-
             forget_ranks(self.registry, [(host, pid) for _, host, pid in self._ranks])
         self._ranks = []
         return removed, freed

@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field
 
 from slime_server.trainer.model import unwrap
 from slime_server.trainer.optimizer import OptimizerBundle
+from slime_server.trainer.portable import PORTABLE_FILE, load_portable, save_portable
 
 META_FILE = "meta.json"
 _STEP_PREFIX = "step_"
@@ -140,8 +141,6 @@ def save_checkpoint(
     }
     torch.save(state, tmp / f"rank_{rank:05d}.pt")
     if portable:
-        from slime_server.trainer.portable import save_portable
-
         save_portable(tmp, bundle)
     _barrier()
     if rank == 0:
@@ -169,8 +168,6 @@ def load_checkpoint(path: str | Path, bundle: OptimizerBundle) -> CheckpointMeta
     meta = read_meta(path)
     tp, pp = _parallel_sizes()
     if (meta.world_size, meta.tp_size, meta.pp_size) != (_world(), tp, pp):
-        from slime_server.trainer.portable import PORTABLE_FILE, load_portable
-
         if not (Path(path) / PORTABLE_FILE).is_file():
             raise ValueError(
                 f"checkpoint layout world={meta.world_size} tp={meta.tp_size} pp={meta.pp_size} does not "

@@ -17,8 +17,9 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
+from slime_server.trainer.convert import load_hf_checkpoint_into
 from slime_server.trainer.losses import Aggregation, value_loss
-from slime_server.trainer.model import forward_logits
+from slime_server.trainer.model import build_gpt_model, forward_logits
 from slime_server.trainer.optimizer import OptimizerBundle, OptimizerSettings, optimizer_step, zero_grads
 from slime_server.trainer.packing import pack_samples, split_packed
 from slime_server.trainer.train_step import _dp, _gather_rows, _MetricSums, dp_shard
@@ -50,9 +51,6 @@ class ValueHead(nn.Module):
 def build_value_model(hf_path: str, *, params_dtype: torch.dtype = torch.float32,
                       megatron_args: dict[str, Any] | None = None, init_from: str | None = None) -> nn.Module:
     from transformers import AutoConfig
-
-    from slime_server.trainer.convert import load_hf_checkpoint_into
-    from slime_server.trainer.model import build_gpt_model
 
     model = build_gpt_model(AutoConfig.from_pretrained(hf_path), params_dtype=params_dtype, **(megatron_args or {}))
     if torch.cuda.is_available():

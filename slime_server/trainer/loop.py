@@ -56,6 +56,7 @@ from slime_server.trainer.advantages import (
     opd_advantages,
     ppo_advantages,
 )
+from slime_server.trainer.checkpoint import checkpoint_dir
 from slime_server.trainer.critic import explained_variance
 from slime_server.trainer.selection import Rejection, Selection, select, wait_reason
 from slime_server.trainer.types import TrainSample
@@ -515,7 +516,6 @@ class TrainLoop:
 
     def checkpoint(self) -> Checkpoint:
         assert self.trainer is not None
-        from slime_server.trainer.checkpoint import checkpoint_dir
 
         path = self.trainer.save_checkpoint(str(checkpoint_dir(self.checkpoint_dir, self.state.step)))
         ckpt = Checkpoint(step=self.state.step, version=self.state.version, path=path)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slime_server.trainer.convert import iter_hf_tensors
+from slime_server.trainer.model import forward_logits
 from slime_server.trainer.packing import MicroBatch
 
 if TYPE_CHECKING:
@@ -49,8 +51,6 @@ def run_schedule(model: nn.Module, micro_batches: Sequence[MicroBatch],
     global batch."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
-
-    from slime_server.trainer.model import forward_logits
 
     config = get_model_config(model)
     config.variable_seq_lengths = True  # packed rows have their own lengths: exchange shapes first
@@ -104,8 +104,6 @@ def pipeline_hf_tensors(model: nn.Module, staging: Staging | None = None) -> Ite
     (name, or None at the stage's end) then the tensor. Every other rank takes part in its own stage's TP
     gathers and yields only what it holds (it sends to the engines nothing: ``is_push_sender``)."""
     from megatron.core import parallel_state as ps
-
-    from slime_server.trainer.convert import iter_hf_tensors
 
     if pipeline_size() == 1:
         yield from iter_hf_tensors(model, staging)

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from slime_server.trainer.convert import gather_tp, global_parameter_names, megatron_shards
 from slime_server.trainer.model import unwrap
 from slime_server.trainer.optimizer import OptimizerBundle
+from slime_server.trainer.pipeline import gather_stages
 
 PORTABLE_FILE = "portable.pt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -52,9 +54,6 @@ def full_state(bundle: OptimizerBundle) -> dict[str, dict[str, torch.Tensor]] | 
     """{"weights" | "exp_avg" | "exp_avg_sq": {global Megatron name: full tensor}} on rank 0 (collective: every
     rank calls it; None elsewhere)."""
     import torch.distributed as dist
-
-    from slime_server.trainer.convert import gather_tp, global_parameter_names
-    from slime_server.trainer.pipeline import gather_stages
 
     held = adam_state_of(bundle)
     inner = unwrap(bundle.model)
@@ -88,8 +87,6 @@ def save_portable(directory: Path, bundle: OptimizerBundle) -> None:
 
 def load_portable(directory: Path, bundle: OptimizerBundle) -> None:
     """This rank's shards of ``portable.pt``: weights, Adam moments and step, the LR schedule."""
-    from slime_server.trainer.convert import megatron_shards
-
     if not (directory / PORTABLE_FILE).is_file():
         raise FileNotFoundError(f"{directory} has no {PORTABLE_FILE}: it was written for one layout only")
     saved = torch.load(directory / PORTABLE_FILE, map_location="cpu", weights_only=True)

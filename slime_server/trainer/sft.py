@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from slime_server.trainer.types import TrainSample
+from slime_server.utils.net import find_free_port
 
 
 class SFTSettings(BaseModel):
@@ -82,12 +83,15 @@ def run_sft(hf_path: str | Path, samples: Sequence[TrainSample], settings: SFTSe
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
-    from slime_server.trainer.losses import LossConfig
-    from slime_server.trainer.optimizer import OptimizerSettings
-    from slime_server.trainer.parallel import destroy_parallel
-    from slime_server.trainer.train_step import TrainStepSettings
-    from slime_server.utils.net import find_free_port
+    from slime_server.trainer.actor import (  # lazy: loads torch
+        RendezvousInfo,
+        TrainerRank,
+        TrainerRankSettings,
+    )
+    from slime_server.trainer.losses import LossConfig  # lazy: loads torch
+    from slime_server.trainer.optimizer import OptimizerSettings  # lazy: loads torch
+    from slime_server.trainer.parallel import destroy_parallel  # lazy: loads torch
+    from slime_server.trainer.train_step import TrainStepSettings  # lazy: loads torch
 
     if not samples:
         raise ValueError("SFT needs at least one sample")

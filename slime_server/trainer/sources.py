@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from slime_server.buffer.export import read_jsonl
 from slime_server.trainer.loop import Batch
+from slime_server.trainer.sft import conversation_sample
 from slime_server.trainer.types import TrainSample
 
 
@@ -83,8 +85,6 @@ class ConversationSource:
     @classmethod
     def from_file(cls, path: str | Path, tokenizer: Any, *, batch_size: int, epochs: int = 1, seed: int = 0,
                   **keys: Any) -> ConversationSource:
-        from slime_server.trainer.sft import conversation_sample
-
         samples = []
         for i, row in enumerate(read_conversations(path, **keys)):
             try:
@@ -123,8 +123,6 @@ class ReplaySource:
     groups in file order, ``batch_size`` samples each (a group that does not fit the rest is left out)."""
 
     def __init__(self, path: str | Path, *, batch_size: int, group_size: int = 1, job_id: str | None = None) -> None:
-        from slime_server.buffer.export import read_jsonl
-
         try:
             lines = read_jsonl(path)
         except (OSError, ValueError) as e:

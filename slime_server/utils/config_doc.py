@@ -18,6 +18,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from slime_server.config import ServerSettings
+
 HEADER = """# Configuration reference
 
 Generated from the settings models by `python -m slime_server.utils.config_doc` (do not edit by hand).
@@ -102,8 +104,7 @@ def model_tables(model: type[BaseModel], path: str, env_prefix: str | None = Non
 
 
 def render() -> str:
-    from slime_server.config import ServerSettings
-    from slime_server.jobs.spec import JobSpec
+    from slime_server.jobs.spec import JobSpec  # lazy: loads torch
 
     lines = [HEADER]
     for name, field in ServerSettings.model_fields.items():
