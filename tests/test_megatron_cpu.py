@@ -99,3 +99,22 @@ def test_activation_recompute_gives_the_same_gradients(granularity):
     for name, param in recomputed.named_parameters():
         assert param.grad.abs().sum() > 0, name
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_megatron_imports_without_torchs_compiler_and_its_fusions_stay_eager() -> None:
+    """In a fresh process (this one has long imported Megatron): importing the trainer, then Megatron's model
+    code, loads neither dynamo nor inductor, and ``jit_fuser`` returns a fusion unchanged. Without
+    ``trainer/fusions.py`` both are loaded (~1.4 s of every rank's start) and ``jit_fuser`` is
+    ``torch.compile``."""
+    import subprocess
+    import sys
+
+    code = ("import sys, slime_server.trainer.model\n"
+            "from megatron.core.jit import jit_fuser\n"
+            "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
+            "f = lambda x: x\n"
+            "print(jit_fuser(f) is f, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules,\n"
+            "      hasattr(bias_gelu, '__wrapped__'))\n")  # a compiled fusion wraps the function
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False", "False", "False"]
