@@ -15,7 +15,7 @@ def resume_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path)
     from transformers import AutoConfig
 
     from slime_server.trainer.actor import TrainerRankSettings
-    from slime_server.trainer.optimizer import OptimizerSettings
+    from slime_server.trainer.settings import OptimizerSettings
     from slime_server.trainer.train_step import TrainStepSettings
 
     tmp = tmp_path_factory.mktemp("ckpt")

@@ -90,8 +90,7 @@ def sglang_receiver(tp: int, out: Path) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from slime_server.trainer.actor import TrainerRankSettings
-    from slime_server.trainer.losses import LossConfig
-    from slime_server.trainer.optimizer import OptimizerSettings
+    from slime_server.trainer.settings import LossConfig, OptimizerSettings
     from slime_server.trainer.train_step import TrainStepSettings
 
     tmp = tmp_path_factory.mktemp("gpu")

@@ -265,3 +265,19 @@ def test_an_import_inside_a_function_defers_something_heavy_and_says_what() -> N
     assert not needless, "imports inside functions that defer nothing heavy (move them to the top): " + ", ".join(
         needless)
     assert not silent, "deferred imports without a '# lazy: ...' comment: " + ", ".join(silent)
+
+
+def test_a_job_spec_and_the_jobs_commands_load_no_torch() -> None:
+    """``slime-server train`` / ``jobs`` are REST clients: validating a job spec must not load torch or
+    Megatron (it did, through the trainer modules that held the settings: ~3 s and ~200 MB per command)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import slime_server.server.jobs_cmd\n"
+            "from slime_server.jobs.spec import JobSpec\n"
+            "JobSpec.model_validate({'loss': {'loss_type': 'ppo'}, 'critic': {}, 'loop': {'batch_size': 4}})\n"
+            "print(sorted(m for m in ('torch', 'megatron', 'ray') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -12,7 +12,8 @@ import pytest
 
 from slime_server.buffer.job_store import SQLiteJobStore
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
-from slime_server.jobs.manager import JobError, JobManager
+from slime_server.jobs.errors import JobError
+from slime_server.jobs.manager import JobManager
 from slime_server.jobs.spec import JobSpec
 from tests._loop_helpers import RecordingTrainer, add
 

@@ -13,7 +13,8 @@ import pytest
 from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.buffer.store import TurnWrite
-from slime_server.trainer.loop import EngineControl, LoopSettings, TrainLoop
+from slime_server.trainer.loop import EngineControl, TrainLoop
+from slime_server.trainer.settings import LoopSettings
 from tests._loop_helpers import RecordingTrainer, add
 
 

@@ -8,7 +8,8 @@ import pydantic
 import pytest
 import torch
 
-from slime_server.trainer.losses import LossConfig, kl_penalty, loss_token_weights, policy_loss, value_loss
+from slime_server.trainer.losses import kl_penalty, loss_token_weights, policy_loss, value_loss
+from slime_server.trainer.settings import LossConfig
 
 
 def _t(values: list[float]) -> torch.Tensor:

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from slime_server.trainer.convert import hf_to_megatron, load_hf_checkpoint_into, uses_fused_norms
-from slime_server.trainer.losses import LossConfig, policy_loss
+from slime_server.trainer.losses import policy_loss
 from slime_server.trainer.model import build_attention_mask, build_gpt_model, unwrap
-from slime_server.trainer.optimizer import OptimizerSettings, build_optimizer
+from slime_server.trainer.optimizer import build_optimizer
 from slime_server.trainer.packing import pack_samples
 from slime_server.trainer.parallel import parallel_context
+from slime_server.trainer.settings import LossConfig, OptimizerSettings
 from slime_server.trainer.train_step import TrainStepSettings, forward_backward
 from slime_server.trainer.types import TrainSample
 

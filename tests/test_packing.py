@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_server.trainer.losses import LossConfig, policy_loss
+from slime_server.trainer.losses import policy_loss
 from slime_server.trainer.packing import pack_samples, partition_by_tokens, split_by_count, split_packed
+from slime_server.trainer.settings import LossConfig
 from slime_server.trainer.types import TrainSample
 
 

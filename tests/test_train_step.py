@@ -31,7 +31,8 @@ def _bundle(model_path: Path, lr: float = 1e-3, clip_grad: float = 0.0) -> objec
 
     from slime_server.trainer.convert import load_hf_checkpoint_into
     from slime_server.trainer.model import build_gpt_model
-    from slime_server.trainer.optimizer import OptimizerSettings, build_optimizer
+    from slime_server.trainer.optimizer import build_optimizer
+    from slime_server.trainer.settings import OptimizerSettings
 
     model = build_gpt_model(AutoConfig.from_pretrained(model_path))
     load_hf_checkpoint_into(model, model_path)
@@ -66,8 +67,8 @@ def test_logprobs_match_huggingface(parallel_world: None, tiny_model_path: Path)
 def test_packed_equals_unpacked(parallel_world: None, tiny_model_path: Path, aggregation: str) -> None:
     from transformers import AutoConfig
 
-    from slime_server.trainer.losses import LossConfig
     from slime_server.trainer.optimizer import zero_grads
+    from slime_server.trainer.settings import LossConfig
     from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, forward_backward
 
     vocab = AutoConfig.from_pretrained(tiny_model_path).vocab_size
@@ -100,7 +101,7 @@ def test_grpo_step_moves_logprobs_towards_the_rewarded_answer(parallel_world: No
     from transformers import AutoTokenizer
 
     from slime_server.trainer.advantages import grpo_advantages
-    from slime_server.trainer.losses import LossConfig
+    from slime_server.trainer.settings import LossConfig
     from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
     from slime_server.trainer.types import TrainSample
 
@@ -157,7 +158,7 @@ def test_optimizer_reads_megatron_main_grad(parallel_world: None, tiny_model_pat
 def test_bad_settings_and_batches_are_rejected(parallel_world: None, tiny_model_path: Path) -> None:
     from pydantic import ValidationError
 
-    from slime_server.trainer.optimizer import OptimizerSettings
+    from slime_server.trainer.settings import OptimizerSettings
     from slime_server.trainer.train_step import TrainStepSettings, train_step
 
     with pytest.raises(ValidationError):

@@ -23,8 +23,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def make_rank(model_path: Path, *, lr: float = 1e-3, reference: bool = False, **loss: object):
     from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
-    from slime_server.trainer.losses import LossConfig
-    from slime_server.trainer.optimizer import OptimizerSettings
+    from slime_server.trainer.settings import LossConfig, OptimizerSettings
     from slime_server.trainer.train_step import TrainStepSettings
     from slime_server.utils.net import find_free_port
 
@@ -121,8 +120,8 @@ def test_the_critic_learns_the_returns_and_checkpoints_with_the_policy(tiny_mode
     explained variance of the values rises as it trains on fixed GAE returns; a checkpoint restores it."""
     from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
     from slime_server.trainer.advantages import AdvantageConfig, ppo_advantages
-    from slime_server.trainer.critic import CriticSettings, explained_variance
-    from slime_server.trainer.optimizer import OptimizerSettings
+    from slime_server.trainer.critic import explained_variance
+    from slime_server.trainer.settings import CriticSettings, OptimizerSettings
     from slime_server.utils.net import find_free_port
 
     rank = TrainerRank(TrainerRankSettings(
@@ -161,7 +160,7 @@ def test_the_reference_and_the_critic_start_from_the_checkpoints_named(tiny_mode
 
     from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
     from slime_server.trainer.convert import export_hf_state_dict
-    from slime_server.trainer.critic import CriticSettings
+    from slime_server.trainer.settings import CriticSettings
     from slime_server.utils.net import find_free_port
     from tests._engine_helpers import hf_logprobs
 

@@ -21,8 +21,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from slime_server.trainer.actor import TrainerRankSettings
-    from slime_server.trainer.losses import LossConfig
-    from slime_server.trainer.optimizer import OptimizerSettings
+    from slime_server.trainer.settings import LossConfig, OptimizerSettings
     from slime_server.trainer.train_step import TrainStepSettings
 
     tmp = tmp_path_factory.mktemp("trainer_tp")

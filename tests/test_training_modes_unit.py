@@ -15,8 +15,9 @@ from slime_server.buffer.export import export_jsonl
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.buffer.store import DROPPED_STEP
 from slime_server.jobs.spec import JobSpec
-from slime_server.trainer.loop import EngineControl, LoopSettings, TrainLoop
+from slime_server.trainer.loop import EngineControl, TrainLoop
 from slime_server.trainer.selection import Rejection
+from slime_server.trainer.settings import LoopSettings
 from slime_server.trainer.sources import ConversationSource, ReplaySource, SourceError, read_conversations
 from slime_server.trainer.types import TrainSample
 from tests._loop_helpers import RecordingTrainer, add

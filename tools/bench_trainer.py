@@ -58,8 +58,9 @@ def megatron_trainer(model_dir: str, args: argparse.Namespace, settings: Any) ->
 
     from slime_server.trainer.convert import load_hf_checkpoint_into
     from slime_server.trainer.model import build_gpt_model
-    from slime_server.trainer.optimizer import OptimizerSettings, build_optimizer
+    from slime_server.trainer.optimizer import build_optimizer
     from slime_server.trainer.parallel import init_parallel
+    from slime_server.trainer.settings import OptimizerSettings
     from slime_server.trainer.train_step import train_step
 
     init_parallel(tp_size=1)
@@ -112,7 +113,7 @@ def hf_trainer(model_dir: str, args: argparse.Namespace, settings: Any) -> StepF
 
 def main() -> None:
     from slime_server.models.tiny import ensure_tiny_model
-    from slime_server.trainer.losses import LossConfig
+    from slime_server.trainer.settings import LossConfig
     from slime_server.trainer.train_step import TrainStepSettings
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -165,10 +166,8 @@ def main() -> None:
 def bench_algorithms(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
     """Median step time: policy alone vs policy + KL reference + critic (same batch, same process)."""
     from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
-    from slime_server.trainer.critic import CriticSettings
-    from slime_server.trainer.losses import LossConfig
-    from slime_server.trainer.optimizer import OptimizerSettings
     from slime_server.trainer.parallel import destroy_parallel
+    from slime_server.trainer.settings import CriticSettings, LossConfig, OptimizerSettings
     from slime_server.trainer.train_step import TrainStepSettings
     from slime_server.utils.net import find_free_port
 

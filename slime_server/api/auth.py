@@ -47,6 +47,8 @@ def check_bind(host: str, admin_api_key: str | None, insecure: bool) -> bool:
             "mint keys and read every trajectory. Set gateway.admin_api_key (--admin-api-key or "
             "SLIME_GATEWAY__ADMIN_API_KEY), bind to 127.0.0.1, or pass --insecure-gateway to accept the risk")
     return True
+
+
 def mint_session_key(session_id: str) -> tuple[str, str]:
     """A new key for ``session_id`` and the hash to store."""
     secret = secrets.token_urlsafe(24)

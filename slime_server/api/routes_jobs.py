@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
@@ -19,8 +19,11 @@ from slime_server.buffer.job_store import EventRow, MetricsRow
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.protocol import ErrorResponse
-from slime_server.jobs.manager import JobError, JobManager
+from slime_server.jobs.errors import JobError
 from slime_server.jobs.spec import JobSpec, JobView
+
+if TYPE_CHECKING:
+    from slime_server.jobs.manager import JobManager
 
 router = APIRouter(prefix="/jobs", tags=["jobs"],
                    responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 503)})
@@ -33,7 +36,9 @@ def get_jobs(request: Request) -> JobManager:
     return gw.jobs
 
 
-Jobs = Annotated[JobManager, Depends(get_jobs)]
+# Any, not JobManager: FastAPI resolves the annotation at import, and the manager module loads the trainer
+# (torch), which a gateway without one must not load (tests/test_import_graph.py)
+Jobs = Annotated[Any, Depends(get_jobs)]
 TERMINAL = ("completed", "failed", "cancelled")
 MAX_SEQ = 2**63 - 1  # SQLite integers are 64-bit: a larger cursor would be a 500, not a 400
 

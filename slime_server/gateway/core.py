@@ -65,7 +65,6 @@ class Gateway:
         session = self.store.get_session(session_id)
         return getattr(session, "key_hash", None) if session is not None else None
 
-
     async def admit(self, session_id: str | None, metadata: dict[str, str] | None) -> None:
         """Buffer pacing (``gateway/pacing.py``): 429 + Retry-After while a job's buffer is full.
 
@@ -93,7 +92,6 @@ class Gateway:
         if session is None:
             return False
         return bool(session.metadata.get("serve_only")) or bool(self.store.get_trajectories(session_id))
-
 
     async def generate(self, session_id: str, rid: str, input_ids: list[int], params: dict[str, Any],
                        **kw: Any) -> list[Any]:

@@ -27,20 +27,16 @@ from typing import Any
 from slime_server.buffer.job_store import EventRow, JobRow, JobStore, MetricsRow
 from slime_server.buffer.store import TrajectoryStore
 from slime_server.job_logging import JobLog, WandbUnavailable, require_wandb
+from slime_server.jobs.errors import JobError
 from slime_server.jobs.metrics import JOB_DROPPED, JOB_METRIC, JOB_STEP, JOB_VERSION
 from slime_server.jobs.runners import DatasetDriver, Evaluator
 from slime_server.jobs.spec import ACTIVE, EvalSpec, JobSpec, JobView, PacingSpec, view
-from slime_server.trainer.loop import BatchSource, EngineControl, LoopState, Trainer, TrainLoop
+from slime_server.trainer.loop import BatchSource, EngineControl, Trainer, TrainLoop
 from slime_server.trainer.selection import Rejection
+from slime_server.trainer.settings import LoopState
 from slime_server.trainer.sources import ConversationSource, ReplaySource
 
 log = logging.getLogger(__name__)
-
-
-class JobError(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status_code, self.code = status, code
 
 
 MakeTrainer = Callable[[JobSpec], Trainer]

@@ -12,10 +12,13 @@ from slime_server.buffer.job_store import JobRow
 from slime_server.envs.base import get_environment
 from slime_server.job_logging import WandbSpec
 from slime_server.trainer.advantages import AdvantageConfig, Estimator
-from slime_server.trainer.critic import CriticSettings
-from slime_server.trainer.loop import LoopSettings, LoopState
-from slime_server.trainer.losses import LossConfig
-from slime_server.trainer.optimizer import OptimizerSettings
+from slime_server.trainer.settings import (
+    CriticSettings,
+    LoopSettings,
+    LoopState,
+    LossConfig,
+    OptimizerSettings,
+)
 
 JobStatus = Literal["queued", "running", "paused", "completed", "failed", "cancelled"]
 ACTIVE: frozenset[str] = frozenset({"queued", "running", "paused"})

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from slime_server.jobs.spec import JobSpec  # lazy: loads torch
+
 FINAL = ("completed", "failed", "cancelled")
 
 
@@ -64,8 +66,6 @@ class TrainCommand:
     def run(self, args: argparse.Namespace, settings: Any) -> int:
         import yaml
         from pydantic import ValidationError
-
-        from slime_server.jobs.spec import JobSpec  # lazy: loads torch
 
         try:
             body = yaml.safe_load(args.job_config.read_text()) or {}

@@ -14,6 +14,10 @@ from typing import Any
 
 from slime_server.buffer.open import open_job_store
 from slime_server.config import GatewaySettings, ServerSettings
+from slime_server.jobs.spec import (
+    ACTIVE,  # lazy: loads torch
+    JobSpec,  # lazy: loads torch
+)
 from slime_server.online.attach import attach_online
 from slime_server.online.preset import feedback_settings, online_job_spec
 from slime_server.rollout.supervisor import EngineSupervisor
@@ -59,7 +63,6 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
     ``push_guard`` (``EngineSupervisor.updating_weights``) is entered by every job's loop around its weight
     pushes, so engines paused for an update are not judged unhealthy."""
     from slime_server.jobs.manager import JobManager  # lazy: loads torch
-    from slime_server.jobs.spec import JobSpec  # lazy: loads torch
 
     tr = settings.trainer
     removed, freed = reap_recorded(rank_registry(tr))  # ranks of a server that was killed: their buckets
@@ -99,8 +102,6 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
 
 def start_online_job(jobs: Any, body: dict[str, Any]) -> None:
     """The online preset's live job, unless a job is already active (e.g. restored after a restart)."""
-    from slime_server.jobs.spec import ACTIVE, JobSpec  # lazy: loads torch
-
     active = [j.id for j in jobs.list() if j.status in ACTIVE]
     if active:
         print(f"online: job {active[0]} is active; not starting another", flush=True)

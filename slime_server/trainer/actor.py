@@ -20,11 +20,12 @@ from pydantic import BaseModel, Field
 
 from slime_server.trainer.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from slime_server.trainer.convert import iter_hf_tensors, load_hf_checkpoint_into
-from slime_server.trainer.critic import CriticSettings, build_value_model, compute_values, critic_step
+from slime_server.trainer.critic import build_value_model, compute_values, critic_step
 from slime_server.trainer.model import build_gpt_model
-from slime_server.trainer.optimizer import OptimizerBundle, OptimizerSettings, build_optimizer
+from slime_server.trainer.optimizer import OptimizerBundle, build_optimizer
 from slime_server.trainer.parallel import destroy_parallel, init_parallel, open_rendezvous
 from slime_server.trainer.pipeline import gather_stages, pipeline_hf_tensors
+from slime_server.trainer.settings import CriticSettings, OptimizerSettings
 from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
 from slime_server.trainer.types import TrainSample
 from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher, is_push_sender

@@ -14,25 +14,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
 from torch import nn
 
 from slime_server.trainer.convert import load_hf_checkpoint_into
-from slime_server.trainer.losses import Aggregation, value_loss
+from slime_server.trainer.losses import value_loss
 from slime_server.trainer.model import build_gpt_model, forward_logits
-from slime_server.trainer.optimizer import OptimizerBundle, OptimizerSettings, optimizer_step, zero_grads
+from slime_server.trainer.optimizer import OptimizerBundle, optimizer_step, zero_grads
 from slime_server.trainer.packing import pack_samples, split_packed
+from slime_server.trainer.settings import CriticSettings
 from slime_server.trainer.train_step import _dp, _gather_rows, _MetricSums, dp_shard
 from slime_server.trainer.types import TrainSample
-
-
-class CriticSettings(BaseModel):
-    optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))
-    init_from: str | None = Field(None, description="HF checkpoint directory the value model's trunk starts from "
-                                  "(same architecture as the policy; default: the policy's own base weights); "
-                                  "the value head always starts at zero")
-    value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping around the old values; None = off")
-    aggregation: Aggregation = "token"
 
 
 class ValueHead(nn.Module):
@@ -121,4 +112,4 @@ def explained_variance(values: Sequence[Sequence[float]], returns: Sequence[Sequ
     return float(1.0 - (r - v).var() / r.var())
 
 
-__all__ = ["CriticSettings", "ValueHead", "build_value_model", "compute_values", "critic_step", "explained_variance"]
+__all__ = ["ValueHead", "build_value_model", "compute_values", "critic_step", "explained_variance"]

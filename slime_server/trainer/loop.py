@@ -41,17 +41,16 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import httpx
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_weight_version
 from slime_server.trainer.advantages import (
-    AdvantageConfig,
     compute_advantages,
     opd_advantages,
     ppo_advantages,
@@ -59,54 +58,10 @@ from slime_server.trainer.advantages import (
 from slime_server.trainer.checkpoint import checkpoint_dir
 from slime_server.trainer.critic import explained_variance
 from slime_server.trainer.selection import Rejection, Selection, select, wait_reason
+from slime_server.trainer.settings import Checkpoint, LoopSettings, LoopState, OPDWeights
 from slime_server.trainer.types import TrainSample
 
 log = logging.getLogger(__name__)
-
-StalePolicy = Literal["drop", "downweight", "keep"]
-
-
-class OPDWeights(BaseModel):
-    w_rl: float = Field(1.0, ge=0)
-    w_opd: float = Field(1.0, ge=0)
-
-
-class LoopSettings(BaseModel):
-    """Knobs of the loop (slime's names where it has one)."""
-
-    batch_size: int = Field(8, ge=1, description="trajectories per optimizer step (global batch)")
-    n_samples_per_prompt: int = Field(1, ge=1, description="group size; a group trains only once complete")
-    max_staleness: int | None = Field(2, ge=0, description="max versions between a sample's oldest "
-                                      "generated token and the current policy; None = no bound")
-    stale_policy: StalePolicy = Field("drop", description="what happens to samples beyond max_staleness")
-    stale_decay: float = Field(0.5, gt=0, le=1, description="downweight: advantage x decay ** (lag - max)")
-    drop_zero_variance_groups: bool = Field(False, description="DAPO dynamic sampling: skip groups whose "
-                                            "rewards are all equal (they carry no GRPO signal)")
-    group_timeout_s: float | None = Field(600.0, gt=0, description="a group still short of n_samples_per_prompt "
-                                          "members this long after its newest member finished is dropped (counted "
-                                          "in dropped_incomplete); None = wait for ever")
-    num_steps_per_rollout: int = Field(1, ge=1, description="optimizer steps per batch (slime's name): the batch "
-                                       "is cut into this many mini-batches, trained in turn against log-probs "
-                                       "recomputed once before the first (so the PPO ratio and clip act)")
-    update_weights_interval: int = Field(1, ge=1, description="push weights every N steps")
-    checkpoint_interval: int = Field(5, ge=1, description="checkpoint every N steps")
-    max_steps: int | None = Field(None, ge=1, description="stop (completed) after this many steps")
-    sync: bool = Field(False, description="pause generation while training + pushing (no overlap)")
-    poll_interval_s: float = Field(0.2, gt=0)
-    bucket_bytes: int | None = Field(None, ge=1, description="update_weight_buffer_size; None = 512 MiB")
-    advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(estimator="reinforce_plus_plus"))
-    opd: OPDWeights | None = Field(None, description="on-policy distillation for samples carrying teacher "
-                                   "log-probs (online hints): A = w_rl * A + w_opd * (teacher - student)")
-
-    @model_validator(mode="after")
-    def _check(self) -> LoopSettings:
-        if self.batch_size % self.n_samples_per_prompt:  # whole groups only: the last one would never fit
-            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of n_samples_per_prompt "
-                             f"({self.n_samples_per_prompt})")
-        if self.batch_size % self.num_steps_per_rollout:
-            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of num_steps_per_rollout "
-                             f"({self.num_steps_per_rollout})")
-        return self
 
 
 class Trainer(Protocol):
@@ -128,29 +83,6 @@ class Trainer(Protocol):
                      bucket_bytes: int | None = None) -> dict[str, Any]: ...
 
     def shutdown(self) -> None: ...
-
-
-class Checkpoint(BaseModel):
-    step: int
-    version: int
-    path: str
-    created_at: float = Field(default_factory=time.time)
-
-
-class LoopState(BaseModel):
-    """What survives a restart (persisted by the job layer after every step)."""
-
-    step: int = 0
-    version: int = 0
-    checkpoints: list[Checkpoint] = Field(default_factory=list)
-    dropped_stale: int = 0
-    dropped_zero_variance: int = 0
-    dropped_incomplete: int = 0
-    downweighted: int = 0
-    restarts: int = 0
-    kept: int = 0  # rejection sampling: samples that passed and trained
-    rejected: int = 0  # ... and those that did not (dropped, stored)
-    waiting: str | None = None  # why the last look at the buffer found no batch (None: training)
 
 
 class Batch(BaseModel):

@@ -10,48 +10,10 @@ micro-batch losses one by one reproduces the global loss and gradient, however t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, Field, model_validator
 
-LossType = Literal["grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "cispo", "sft"]
-KLType = Literal["k1", "k2", "k3", "low_var_kl"]
-Aggregation = Literal["token", "sequence"]
-ISMode = Literal["truncate", "mask"]
-ISLevel = Literal["token", "sequence", "geometric"]
-
-
-class LossConfig(BaseModel):
-    """What the policy loss computes; defaults are slime's GRPO defaults."""
-
-    loss_type: LossType = "grpo"
-    eps_clip: float = Field(0.2, gt=0, description="lower PPO clip: ratio >= 1 - eps_clip")
-    eps_clip_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); None = eps_clip")
-    dual_clip_c: float | None = Field(None, gt=1, description="dual-clip bound for negative advantages")
-    kl_coef: float = Field(0.0, ge=0, description="coefficient of the KL-to-reference loss term")
-    kl_type: KLType = "low_var_kl"
-    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus (subtracted from the loss)")
-    use_tis: bool = Field(False, description="importance-weight the loss by pi_old / pi_rollout (the recorded "
-                          "rollout log-probs): corrects stale (asynchronous) samples and train/inference mismatch")
-    tis_mode: ISMode = Field("truncate", description="truncate: clamp the weight to [tis_clip_low, tis_clip] (TIS); "
-                             "mask: weight 0 outside that range (MIS)")
-    tis_level: ISLevel = Field("token", description="token: one weight per token; sequence: the product of a "
-                               "sample's token ratios; geometric: their geometric mean")
-    tis_clip: float = Field(2.0, gt=0, description="upper bound of the TIS weight")
-    tis_clip_low: float = Field(0.0, ge=0, description="lower bound of the TIS weight")
-    aggregation: Aggregation = Field("token", description="token: mean over all masked tokens of the "
-                                     "batch; sequence: mean per sample, then mean over samples")
-
-    @model_validator(mode="after")
-    def _check(self) -> LossConfig:
-        if self.tis_clip_low > self.tis_clip:
-            raise ValueError("tis_clip_low must not exceed tis_clip")
-        return self
-
-    @property
-    def clip_high(self) -> float:
-        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+from slime_server.trainer.settings import Aggregation, ISLevel, KLType, LossConfig
 
 
 def loss_token_weights(

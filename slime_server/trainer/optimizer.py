@@ -14,39 +14,13 @@ count ``n`` uses ``lr(n)``; the count advances after each successful optimizer s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, Field, model_validator
 from torch import nn
 
 from slime_server.trainer.megatron_cpu import apply_cpu_patches, cuda_available
-
-
-class OptimizerSettings(BaseModel):
-    """Adam + schedule settings (names follow Megatron's ``--lr``, ``--lr-warmup-iters``, ...)."""
-
-    lr: float = Field(1e-6, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    lr_warmup_init: float = Field(0.0, ge=0)
-    lr_warmup_steps: int = Field(0, ge=0)
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    lr_decay_steps: int | None = Field(None, gt=0, description="end of the decay (required unless constant)")
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.98, ge=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
-    clip_grad: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
-
-    @model_validator(mode="after")
-    def _check(self) -> OptimizerSettings:
-        if self.min_lr > self.lr or self.lr_warmup_init > self.lr:
-            raise ValueError("min_lr and lr_warmup_init must not exceed lr")
-        if self.lr_decay_style != "constant" and self.lr_decay_steps is None:
-            raise ValueError(f"lr_decay_style={self.lr_decay_style!r} needs lr_decay_steps (total steps)")
-        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
-            raise ValueError("lr_decay_steps must be larger than lr_warmup_steps")
-        return self
+from slime_server.trainer.settings import OptimizerSettings
 
 
 @dataclass

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slime_server.trainer.losses import Aggregation, loss_token_weights
+from slime_server.trainer.losses import loss_token_weights
+from slime_server.trainer.settings import Aggregation
 from slime_server.trainer.types import TrainSample
 
 

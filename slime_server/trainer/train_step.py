@@ -25,11 +25,12 @@ import torch.distributed as dist
 from pydantic import BaseModel, Field
 from torch import nn
 
-from slime_server.trainer.losses import LossConfig, policy_loss
+from slime_server.trainer.losses import policy_loss
 from slime_server.trainer.model import forward_logits, unwrap
 from slime_server.trainer.optimizer import OptimizerBundle, optimizer_step, zero_grads
 from slime_server.trainer.packing import MicroBatch, pack_samples, split_packed
 from slime_server.trainer.pipeline import from_last_stage, is_last_stage, pipeline_size, run_schedule
+from slime_server.trainer.settings import LossConfig
 from slime_server.trainer.types import TrainSample
 from slime_server.trainer.vocab_parallel import vocab_parallel_logprobs
 

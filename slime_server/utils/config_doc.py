@@ -19,6 +19,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from slime_server.config import ServerSettings
+from slime_server.jobs.spec import JobSpec  # lazy: loads torch
 
 HEADER = """# Configuration reference
 
@@ -104,8 +105,6 @@ def model_tables(model: type[BaseModel], path: str, env_prefix: str | None = Non
 
 
 def render() -> str:
-    from slime_server.jobs.spec import JobSpec  # lazy: loads torch
-
     lines = [HEADER]
     for name, field in ServerSettings.model_fields.items():
         sub = _model_of(field.annotation)
