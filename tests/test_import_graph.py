@@ -8,12 +8,14 @@ names every circle it finds."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "slime_server"
 MAX_LINES = 600
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     mods = {}
     for path in PACKAGE.rglob("*.py"):
@@ -43,29 +45,36 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
+def _resolve(name: str) -> str | None:
+    """The package module ``name`` is, or is inside (``pkg.mod.attr`` -> ``pkg.mod``); None outside the package."""
+    mods = _modules()
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _targets(mod: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """Dotted names ``node`` (in ``mod``) imports: relative imports anchored, and ``from pkg import mod``
+    naming the module ``pkg.mod`` rather than ``pkg``."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    mods = _modules()
+    package = mod if mods[mod].name == "__init__.py" else mod.rpartition(".")[0]
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join([*anchor, *([node.module] if node.module else [])])
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package modules it imports (``from pkg import mod`` counts as importing ``mod``)."""
     mods = _modules()
-
-    def resolve(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in _imports(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, *([node.module] if node.module else [])])
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-            for target in targets:
-                if target.split(".")[0] == "slime_server" and (t := resolve(target)) and t != mod:
+            for target in _targets(mod, node):
+                if target.split(".")[0] == "slime_server" and (t := _resolve(target)) and t != mod:
                     graph[mod].add(t)
     return graph
 
@@ -187,21 +196,10 @@ _DEFERRABLE = {"torch", "megatron", "ray", "transformers", "tokenizers", "safete
 def _top_and_deferred(mod: str) -> tuple[set[str], set[str], list[ast.ImportFrom]]:
     """(our modules ``mod`` imports at import time, third-party names it loads then, our modules it imports
     inside functions). Class bodies run at import time; function bodies do not."""
-    mods = _modules()
-    path = mods[mod]
-    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    path = _modules()[mod]
     ours: set[str] = set()
     third: set[str] = set()
     deferred: list[ast.ImportFrom] = []
-
-    def targets(node: ast.Import | ast.ImportFrom) -> list[str]:
-        if isinstance(node, ast.Import):
-            return [a.name for a in node.names]
-        base = node.module or ""
-        if node.level:
-            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-            base = ".".join([*anchor, *([node.module] if node.module else [])])
-        return [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
 
     def visit(node: ast.AST, in_function: bool) -> None:
         if _type_checking_only(node):
@@ -209,16 +207,15 @@ def _top_and_deferred(mod: str) -> tuple[set[str], set[str], list[ast.ImportFrom
                 visit(child, in_function)
             return
         if isinstance(node, ast.Import | ast.ImportFrom):
-            names = targets(node)
+            names = _targets(mod, node)
             if in_function:
                 if isinstance(node, ast.ImportFrom) and any(n.startswith("slime_server.") for n in names):
                     deferred.append(node)
                 return
             for name in names:
                 if name.startswith("slime_server."):
-                    while name not in mods:
-                        name = name.rpartition(".")[0]
-                    ours.add(name)
+                    if target := _resolve(name):
+                        ours.add(target)
                 else:
                     third.add(name.split(".")[0])
             return
@@ -253,9 +250,7 @@ def test_an_import_inside_a_function_defers_something_heavy_and_says_what() -> N
     for mod, (_, _, deferred) in parts.items():
         lines = mods[mod].read_text().splitlines()
         for node in deferred:
-            target = node.module or ""
-            while target not in mods:
-                target = target.rpartition(".")[0]
+            target = _resolve(node.module or "") or ""
             extra = (loaded(target) - loaded(mod)) & _DEFERRABLE
             where = f"{mod}:{node.lineno} ({node.module})"
             if not extra:
