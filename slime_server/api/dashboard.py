@@ -19,12 +19,12 @@ import httpx
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.deps import Admin, get_gateway
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.protocol import ErrorResponse
+from slime_server.gateway.threads import in_thread
 from slime_server.rollout.engine_info import engine_weight_version_async
 
 STATIC = Path(str(resources.files("slime_server.api") / "dashboard_static"))
@@ -142,7 +142,7 @@ def recent_sessions(store: Any, limit: int) -> list[SessionRow]:
 
 @api.get("/sessions", response_model=SessionList)
 async def sessions(request: Request, limit: Annotated[int, Query(ge=1, le=500)] = 20) -> SessionList:
-    return SessionList(data=await run_in_threadpool(recent_sessions, get_gateway(request).store, limit))
+    return SessionList(data=await in_thread(recent_sessions, get_gateway(request).store, limit))
 
 
 class ToolCallInfo(BaseModel):
@@ -165,7 +165,7 @@ async def session_tools(session_id: str, request: Request) -> list[TrajectoryToo
     """The tool calls of each turn (the trajectory view has none): the token view marks tool turns."""
     store = get_gateway(request).store
     try:
-        trajs = await run_in_threadpool(store.get_trajectories, session_id)
+        trajs = await in_thread(store.get_trajectories, session_id)
     except LookupError as e:
         raise APIError(404, f"session {session_id!r} not found", code="session_not_found") from e
     return [TrajectoryTools(trajectory_id=t.id, turns=[
@@ -192,7 +192,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
         return tokenizer.batch_decode([[i] for i in body.ids], skip_special_tokens=False)
 
     try:
-        return DetokenizeResponse(pieces=await run_in_threadpool(run))
+        return DetokenizeResponse(pieces=await in_thread(run))
     except (OverflowError, IndexError, TypeError, ValueError) as e:
         raise APIError(400, f"ids: not token ids of the served model ({type(e).__name__})", param="ids",
                        code="invalid_value") from e

@@ -21,8 +21,6 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
-
 from slime_server.api.responses_protocol import (
     FunctionToolChoice,
     IncompleteDetails,
@@ -43,6 +41,7 @@ from slime_server.gateway.errors import APIError, bad_request
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
 from slime_server.gateway.recording import call_store
+from slime_server.gateway.threads import in_thread
 from slime_server.gateway.turn import ChatTurn, TurnResult, canonical_request, engine_reason
 from slime_server.gateway.turn_stream import StreamDelta, turn_events
 
@@ -143,7 +142,7 @@ async def load_stored(gw: Gateway, principal: Principal, response_id: str, param
     """A stored response the caller may read, else 404 (another key's responses do not exist for it)."""
     missing = APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found", param=param)
     try:
-        stored = await run_in_threadpool(call_store, gw.store.get_stored_response, response_id)
+        stored = await in_thread(call_store, gw.store.get_stored_response, response_id)
     except APIError as e:
         if e.status == 404:
             raise missing from None
@@ -172,7 +171,7 @@ async def store_response(gw: Gateway, turn: ChatTurn, principal: Principal, req:
     stored = StoredResponse(id=response.id, session_id=turn.prepared.session_id, owner=principal.session_owner,
                             previous_response_id=req.previous_response_id,
                             body={"input": new, "output": message, "response": response.model_dump()})
-    await run_in_threadpool(call_store, gw.store.put_stored_response, stored)
+    await in_thread(call_store, gw.store.put_stored_response, stored)
 
 
 def turn_message(response: ResponseObject) -> dict[str, Any]:

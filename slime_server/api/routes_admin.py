@@ -13,7 +13,6 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.deps import get_gateway, require_admin
 from slime_server.buffer.export import SampleNumbering
@@ -21,6 +20,7 @@ from slime_server.buffer.key_store import ApiKeyRecord, KeyRole, MintedKey
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.protocol import ErrorResponse
+from slime_server.gateway.threads import in_thread
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)],
                    responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 503)})
@@ -46,17 +46,17 @@ def _keys(gw: Gateway) -> Any:
 
 @router.post("/keys", response_model=MintedKey)
 async def create_key(body: CreateKeyRequest, gw: GW) -> MintedKey:
-    return await run_in_threadpool(_keys(gw).mint, body.role, body.name)
+    return await in_thread(_keys(gw).mint, body.role, body.name)
 
 
 @router.get("/keys", response_model=KeyList)
 async def list_keys(gw: GW) -> KeyList:
-    return KeyList(data=await run_in_threadpool(_keys(gw).list))
+    return KeyList(data=await in_thread(_keys(gw).list))
 
 
 @router.post("/keys/{key_id}/revoke", response_model=ApiKeyRecord)
 async def revoke_key(key_id: str, gw: GW) -> ApiKeyRecord:
-    record = await run_in_threadpool(_keys(gw).revoke, key_id)
+    record = await in_thread(_keys(gw).revoke, key_id)
     if record is None:
         raise APIError(404, f"unknown key '{key_id}'", code="key_not_found", param="key_id")
     return record
@@ -80,7 +80,7 @@ async def export(gw: GW, status: Literal["finished", "open", "aborted", "all"] =
     async def body():
         sent = 0
         while limit is None or sent < limit:
-            lines = await run_in_threadpool(next_lines)
+            lines = await in_thread(next_lines)
             if not lines:
                 return
             lines = lines if limit is None else lines[: limit - sent]

@@ -12,7 +12,6 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from slime_server.api import anthropic_messages as am
 from slime_server.api.anthropic_protocol import (
@@ -27,6 +26,7 @@ from slime_server.api.deps import get_gateway, get_principal
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.recording import call_store
+from slime_server.gateway.threads import in_thread
 from slime_server.gateway.turn import ChatTurn, check_model, is_side_turn, validate_chat
 
 ERRORS = {status: {"model": AnthropicError} for status in (400, 401, 403, 404, 409, 413, 429, 502, 503)}
@@ -64,5 +64,5 @@ async def count_tokens(req: CountTokensRequest, gw: GW, _: Caller) -> CountToken
     check_model(gw, req.model)
     messages = am.system_messages(req.system) + am.chat_messages(req.messages)
     tools = am.chat_tools(req.tools)
-    ids = await run_in_threadpool(call_store, gw.renderer.render_ids, messages, tools)
+    ids = await in_thread(call_store, gw.renderer.render_ids, messages, tools)
     return CountTokensResponse(input_tokens=len(ids))

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.deps import Admin, get_gateway
 from slime_server.buffer.job_store import EventRow, MetricsRow
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.protocol import ErrorResponse
+from slime_server.gateway.threads import in_thread
 from slime_server.jobs.errors import JobError
 from slime_server.jobs.spec import JobSpec, JobView
 
@@ -45,7 +45,7 @@ MAX_SEQ = 2**63 - 1  # SQLite integers are 64-bit: a larger cursor would be a 50
 
 async def _call(fn, *args: Any) -> Any:
     try:
-        return await run_in_threadpool(fn, *args)
+        return await in_thread(fn, *args)
     except JobError as e:
         raise APIError(e.status_code, str(e), code=e.code) from e
 

@@ -6,7 +6,6 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from slime_server.api import openai_chat
 from slime_server.api.deps import get_gateway, get_principal
@@ -30,6 +29,7 @@ from slime_server.gateway.protocol import (
     new_id,
 )
 from slime_server.gateway.sessions_resolve import resolve_session
+from slime_server.gateway.threads import in_thread
 from slime_server.gateway.token_text import incomplete_utf8_tail
 
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 409, 413, 502, 503)}
@@ -80,7 +80,7 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
     if isinstance(req.prompt, str):
         if not req.prompt:
             raise bad_request("prompt must not be empty", param="prompt")
-        prompt_ids = await run_in_threadpool(gw.renderer.encode, req.prompt)
+        prompt_ids = await in_thread(gw.renderer.encode, req.prompt)
     else:
         prompt_ids = list(req.prompt)
     vocab = len(gw.renderer.tokenizer)

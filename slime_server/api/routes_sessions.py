@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header
-from starlette.concurrency import run_in_threadpool
 
 from slime_server.api.auth import mint_session_key
 from slime_server.api.deps import get_gateway, get_principal
@@ -31,6 +30,7 @@ from slime_server.gateway.protocol import (
 )
 from slime_server.gateway.recording import call_store
 from slime_server.gateway.sessions_resolve import get_session_or_404
+from slime_server.gateway.threads import in_thread
 
 router = APIRouter(prefix="/v1", tags=["sessions"],
                    responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 413)})
@@ -45,7 +45,7 @@ async def create_session(body: CreateSessionRequest, gw: GW, principal: Caller) 
 
     session_id = new_id("sess")
     key, key_hash = mint_session_key(session_id) if body.with_key else (None, None)
-    session = await run_in_threadpool(call_store, gw.store.create_session, session_id, group_id=body.group_id,
+    session = await in_thread(call_store, gw.store.create_session, session_id, group_id=body.group_id,
                                       metadata=body.metadata, key_hash=key_hash, owner=principal.session_owner)
     return SessionCreated(id=session.id, group_id=session.group_id, api_key=key)
 
@@ -54,7 +54,7 @@ async def _session(gw: Gateway, principal: Principal, session_id: str) -> Any:
     """The session if the caller may reach it: 403 for another key's session (checked before the
     lookup for session keys, so they cannot probe which ids exist)."""
     principal.check_session_id(session_id)
-    session = await run_in_threadpool(get_session_or_404, gw.store, session_id)
+    session = await in_thread(get_session_or_404, gw.store, session_id)
     principal.check_session(session)
     return session
 
@@ -62,14 +62,14 @@ async def _session(gw: Gateway, principal: Principal, session_id: str) -> Any:
 @router.get("/sessions/{session_id}", response_model=SessionView)
 async def get_session(session_id: str, gw: GW, principal: Caller) -> SessionView:
     session = await _session(gw, principal, session_id)
-    trajs = await run_in_threadpool(call_store, gw.store.get_trajectories, session_id)
+    trajs = await in_thread(call_store, gw.store.get_trajectories, session_id)
     return session_view(session, trajs)
 
 
 @router.get("/sessions/{session_id}/trajectory", response_model=list[TrajectoryView])
 async def get_trajectory(session_id: str, gw: GW, principal: Caller) -> list[TrajectoryView]:
     await _session(gw, principal, session_id)
-    trajs = await run_in_threadpool(call_store, gw.store.get_trajectories, session_id)
+    trajs = await in_thread(call_store, gw.store.get_trajectories, session_id)
     return [trajectory_view(t) for t in trajs]
 
 
@@ -84,7 +84,7 @@ async def set_reward(session_id: str, body: RewardRequest, gw: GW, principal: Ca
     key = idempotency_key or body.idempotency_key
     if idempotency_key and body.idempotency_key and idempotency_key != body.idempotency_key:
         raise bad_request("Idempotency-Key header and body field differ", param="idempotency_key")
-    changed = await run_in_threadpool(call_store, gw.store.set_reward, session_id, reward=body.reward,
+    changed = await in_thread(call_store, gw.store.set_reward, session_id, reward=body.reward,
                                       turn_rewards=body.turn_rewards, idempotency_key=key,
                                       finish=body.finishes())
     return RewardResult(session_id=session_id, changed=bool(changed), finished=body.finishes())
@@ -93,7 +93,7 @@ async def set_reward(session_id: str, body: RewardRequest, gw: GW, principal: Ca
 @router.post("/sessions/{session_id}/close", response_model=SessionClosed)
 async def close_session(session_id: str, gw: GW, principal: Caller) -> SessionClosed:
     await _session(gw, principal, session_id)
-    await run_in_threadpool(call_store, gw.store.close_session, session_id)
+    await in_thread(call_store, gw.store.close_session, session_id)
     return SessionClosed(id=session_id, status="closed")
 
 
@@ -108,10 +108,10 @@ async def abort_session(session_id: str, gw: GW, principal: Caller) -> dict[str,
 async def feedback(response_id: str, body: FeedbackRequest, gw: GW, principal: Caller) -> FeedbackResult:
     if body.thumb is None and body.score is None:
         raise bad_request("give 'thumb' (up/down) or 'score'", param="thumb")
-    found = await run_in_threadpool(call_store, gw.store.find_by_response_id, response_id)
+    found = await in_thread(call_store, gw.store.find_by_response_id, response_id)
     if not found:
         raise APIError(404, f"unknown response '{response_id}'", code="response_not_found")
     await _session(gw, principal, found[0][0].session_id)
-    fb = await run_in_threadpool(call_store, gw.store.add_feedback, response_id, thumb=body.thumb,
+    fb = await in_thread(call_store, gw.store.add_feedback, response_id, thumb=body.thumb,
                                  score=body.score, comment=body.comment)
     return FeedbackResult(response_id=response_id, session_id=fb.session_id)

@@ -29,10 +29,10 @@ from typing import Any
 
 from prometheus_client import Counter
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 
 from slime_server.buffer.schema import NormalizedMessage, Session, SessionExistsError, Trajectory, Turn
 from slime_server.buffer.store import TurnWrite
+from slime_server.gateway.threads import in_thread
 from slime_server.online.judge import Judge, JudgeSettings, verdict_payload
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class ImplicitFeedback:
     async def _judge(self, prepared: Any, tools: list[dict[str, Any]] | None) -> None:
         store = self.gw.store
         try:
-            base: Trajectory = await run_in_threadpool(store.get_trajectory, prepared.base_trajectory_id)
+            base: Trajectory = await in_thread(store.get_trajectory, prepared.base_trajectory_id)
             if not base.turns or not base.messages or base.messages[-1].role != "assistant":
                 return
             new = prepared.messages[len(base.messages):]
@@ -120,7 +120,7 @@ class ImplicitFeedback:
             write = TurnWrite(session_id=sample.session_id, trajectories=[sample], close_session=True,
                               create_session=Session(id=sample.session_id, metadata={
                                   "online_turn_sample": True, "source_session": base.session_id}))
-            await run_in_threadpool(store.write_turn, write)
+            await in_thread(store.write_turn, write)
         except SessionExistsError:
             pass  # judged already
         except Exception:  # noqa: BLE001 - a failed judgement must never touch serving
@@ -132,7 +132,7 @@ class ImplicitFeedback:
         """Per-token log-probs of the turn's own output under the hinted context (0.0 outside it)."""
         context = [m.model_dump(exclude_none=True) for m in base.messages[:-1]]
         context.append({"role": "system", "content": f"Hint for your next reply: {hint}"})
-        prompt = await run_in_threadpool(self.gw.renderer.render_ids, self.gw.renderer.normalize(context), tools)
+        prompt = await in_thread(self.gw.renderer.render_ids, self.gw.renderer.normalize(context), tools)
         output = base.tokens[turn.output_start:turn.output_end]
         scored = await score_tokens(self.gw.engine.http, prompt, output)
         return [0.0] * turn.output_start + scored
