@@ -23,6 +23,7 @@ import httpx
 from slime_server.config import ServerSettings
 from slime_server.demo_learning import DemoLearningSettings, ensure_warm_start, run_rl
 from slime_server.server.launch import resolve_model_path
+from slime_server.server.serve_cmd import RunningServer, start_server
 from slime_server.utils.eval_args import parse_eval_data
 from slime_server.utils.procs import run_until_signal
 
@@ -117,8 +118,6 @@ class DemoCommand:
 
     def run(self, args: argparse.Namespace, settings: ServerSettings) -> int:
         import tempfile
-
-        from slime_server.server.serve_cmd import RunningServer, start_server  # lazy: loads starlette
 
         no_learn = args.no_learn or args.episodes_only
         exit_at_end = args.exit or args.episodes_only

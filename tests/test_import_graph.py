@@ -230,7 +230,7 @@ def _top_and_deferred(mod: str) -> tuple[set[str], set[str], list[ast.ImportFrom
 def test_an_import_inside_a_function_defers_something_heavy_and_says_what() -> None:
     """An import of our own module inside a function must put off loading a dependency from
     ``_DEFERRABLE`` that the importing module does not load at import time, and say which in a comment on
-    its line; any other belongs at the top (there is no import circle to dodge)."""
+    its line; any other belongs at the top (there is no import circle to dodge), without that comment."""
     mods = _modules()
     parts = {m: _top_and_deferred(m) for m in mods}
     loads: dict[str, set[str]] = {}
@@ -246,9 +246,11 @@ def test_an_import_inside_a_function_defers_something_heavy_and_says_what() -> N
             loads[mod] = names
         return loads[mod]
 
-    needless, silent = [], []
+    needless, silent, stale = [], [], []
     for mod, (_, _, deferred) in parts.items():
         lines = mods[mod].read_text().splitlines()
+        stale += [f"{mod}:{n.lineno}" for n in ast.parse("\n".join(lines)).body
+                  if isinstance(n, ast.Import | ast.ImportFrom) and "# lazy: " in lines[n.lineno - 1]]
         for node in deferred:
             target = _resolve(node.module or "") or ""
             extra = (loaded(target) - loaded(mod)) & _DEFERRABLE
@@ -260,6 +262,7 @@ def test_an_import_inside_a_function_defers_something_heavy_and_says_what() -> N
     assert not needless, "imports inside functions that defer nothing heavy (move them to the top): " + ", ".join(
         needless)
     assert not silent, "deferred imports without a '# lazy: ...' comment: " + ", ".join(silent)
+    assert not stale, "top-level imports that say they are deferred: " + ", ".join(stale)
 
 
 def test_a_job_spec_and_the_jobs_commands_load_no_torch() -> None:

@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from slime_server.jobs.spec import JobSpec  # lazy: loads torch
+from slime_server.jobs.spec import JobSpec
+from slime_server.server.serve_cmd import start_server
 
 FINAL = ("completed", "failed", "cancelled")
 
@@ -88,7 +89,6 @@ class TrainCommand:
             return submit_and_follow(c, body, args)
 
     def _run_local(self, args: argparse.Namespace, settings: Any, body: dict[str, Any]) -> int:
-        from slime_server.server.serve_cmd import start_server  # lazy: loads starlette
         gw = settings.gateway.model_copy(update={"host": "127.0.0.1", "port": 0})  # any free port, bound at once
         print(f"[train] starting a local server for this job ({settings.engine.num_engines} engine(s), "
               f"model {settings.engine.model})", flush=True)

@@ -22,6 +22,7 @@ from slime_server.models.tiny import ensure_tiny_model
 from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, log_path_for
 from slime_server.rollout.engine_auth import engine_key
 from slime_server.rollout.router import RouterProcess
+from slime_server.trainer.settings import LossConfig
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,6 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
     generation while they step and push.
     """
     from slime_server.trainer.actor import TrainerGroup, TrainerRankSettings  # lazy: loads torch
-    from slime_server.trainer.losses import LossConfig  # lazy: loads torch
     from slime_server.trainer.train_step import TrainStepSettings  # lazy: loads torch
 
     rank_settings = TrainerRankSettings(

@@ -14,10 +14,7 @@ from typing import Any
 
 from slime_server.buffer.open import open_job_store
 from slime_server.config import GatewaySettings, ServerSettings
-from slime_server.jobs.spec import (
-    ACTIVE,  # lazy: loads torch
-    JobSpec,  # lazy: loads torch
-)
+from slime_server.jobs.spec import ACTIVE, JobSpec
 from slime_server.online.attach import attach_online
 from slime_server.online.preset import feedback_settings, online_job_spec
 from slime_server.rollout.supervisor import EngineSupervisor

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from slime_server.trainer.settings import LossConfig, OptimizerSettings
 from slime_server.trainer.types import TrainSample
 from slime_server.utils.net import find_free_port
 
@@ -88,8 +89,6 @@ def run_sft(hf_path: str | Path, samples: Sequence[TrainSample], settings: SFTSe
         TrainerRank,
         TrainerRankSettings,
     )
-    from slime_server.trainer.losses import LossConfig  # lazy: loads torch
-    from slime_server.trainer.optimizer import OptimizerSettings  # lazy: loads torch
     from slime_server.trainer.parallel import destroy_parallel  # lazy: loads torch
     from slime_server.trainer.train_step import TrainStepSettings  # lazy: loads torch
 

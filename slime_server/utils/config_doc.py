@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from slime_server.config import ServerSettings
-from slime_server.jobs.spec import JobSpec  # lazy: loads torch
+from slime_server.jobs.spec import JobSpec
 
 HEADER = """# Configuration reference
 
