@@ -3,13 +3,17 @@ Python staging API for weight updates."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig
+from slime_server.rollout.cpu_engine import SCHEDULER_OS_NAME, BadRequest, CPUEngine, EngineConfig
 from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM
 from slime_server.rollout.protocol import SamplingParams
 from slime_server.rollout.sampling import filtered_probs, sample_token
@@ -278,3 +282,51 @@ def test_reused_prefix_prefill_in_chunks_answers_the_same(tiny_model_path, monke
     finally:
         with_cache.shutdown()
         without.shutdown()
+
+
+_OWN_THREADS = r"""
+import json, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from slime_server.utils.procs import name_os_thread
+name_os_thread("test-main")
+import torch
+from slime_server import weights
+from slime_server.rollout.cpu_engine import CPUEngine, EngineConfig
+from slime_server.rollout.protocol import SamplingParams
+
+path = sys.argv[1]
+engine = CPUEngine(EngineConfig(model_path=path, num_threads=2))
+sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+with ThreadPoolExecutor(4) as handlers:  # as the engine server's request handlers
+    handlers.submit(engine.generate, [5, 6, 7, 8], sp).result()
+    payload = [None]
+    maker = threading.Thread(target=lambda: payload.__setitem__(0, weights.serialize_flattened_bucket(
+        [("model.norm.weight", torch.full_like(engine._params["model.norm.weight"], 0.5))])))
+    maker.start(); maker.join()  # the trainer's side: a thread that is gone before the count
+    def from_tensor():
+        named = weights.payload_tensors(weights.load_payload(payload[0]), "flattened_bucket")
+        return engine.load_weights(named, "1")
+    handlers.submit(from_tensor).result()
+    handlers.submit(engine.load_weights_from_disk, path, "2").result()
+    handlers.submit(engine.generate, [5, 6, 7, 8], sp).result()
+    python = {t.native_id for t in threading.enumerate()}
+    native = [(p.name, (p / "comm").read_text().strip()) for p in Path("/proc/self/task").iterdir()
+              if int(p.name) not in python]
+    print(json.dumps({"native": [c for _, c in native], "scheduler": engine._thread.native_id}))
+engine.shutdown()
+"""
+
+
+def test_only_the_scheduler_thread_runs_torchs_parallel_ops(tiny_model_path) -> None:
+    """Every thread that runs one of torch's parallel (OpenMP) ops keeps a team of OpenMP workers; with more of
+    them than cores, libgomp stops spinning between parallel regions and every op of a decode step waits for
+    its workers to wake (measured: bf16 SmolLM2 31 instead of 52 tok/s). So the engine computes on its
+    scheduler thread alone, loading included: after a start, generations and weight updates from tensors and
+    from disk driven from other threads, the only threads Python did not start are the scheduler's OpenMP
+    workers, named after it (a parallel op on any other thread leaves a worker named after that thread)."""
+    out = subprocess.run([sys.executable, "-c", _OWN_THREADS, str(tiny_model_path)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["native"] and set(got["native"]) == {SCHEDULER_OS_NAME}, got

@@ -119,36 +119,38 @@ def test_an_engine_start_imports_no_modeling_code(tiny_model_path: Path) -> None
     assert got["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())  # tied: counted once
 
 
-def test_the_onednn_head_is_rebuilt_once_after_a_bucketed_update(tiny_model_path: Path, monkeypatch) -> None:
-    """The vocabulary projection's oneDNN copy follows the weights: after an update in three buckets (the
-    embedding, which the tied head shares, in the second) the engine answers as HF's model with those weights,
-    and the copy was rebuilt once, by the next forward, not after every bucket."""
-    from slime_server.rollout import lean_forward
+def test_fp32_matmuls_run_on_the_live_weights_through_gemv_and_onednn(tiny_model_path: Path, monkeypatch) -> None:
+    """In fp32 the lean forward's matmuls of up to gemv.MAX_ROWS rows (decode steps, the head at prefill) run
+    in gemv.c, the longer ones (a prompt's) in oneDNN, both on the weights as stored (no packed copy to keep in
+    step): after an update in three buckets (the embedding, which the tied head shares, in the first) the
+    engine answers as HF's model with those weights."""
+    from slime_server.rollout import gemv, lean_forward
     from tests._engine_helpers import hf_greedy, hf_model
 
-    monkeypatch.setattr(lean_forward, "MKLDNN_HEAD_MIN", 0)  # the tiny model's head through oneDNN too
-    rebuilds = []
-    original = lean_forward.LeanForward._rebuild_head
-    monkeypatch.setattr(lean_forward.LeanForward, "_rebuild_head", lambda self: (rebuilds.append(1), original(self)))
+    onednn = []
+    original = lean_forward._onednn_linear
+    monkeypatch.setattr(lean_forward, "_onednn_linear", lambda *a: (onednn.append(1), original(*a))[1])
     engine = CPUEngine(EngineConfig(model_path=str(tiny_model_path)))
     try:
+        assert engine.lean is not None and engine.lean._gemv is not None
+        small, kernel = [], engine.lean._gemv
+        engine.lean._gemv = lambda x, w, b: (small.append(x.shape[0]), kernel(x, w, b))[1]
         sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-        engine.generate(PROMPTS[0], sp)
-        assert engine.lean._head is not None and len(rebuilds) == 1
+        prompt = PROMPTS[1]
+        assert len(prompt) > gemv.MAX_ROWS
         ref = hf_model(tiny_model_path)
+        assert engine.generate(prompt, sp)[0].output_ids == hf_greedy(ref, prompt, 8)
+        layers = len(engine.lean.layers)
+        assert len(onednn) == 4 * layers  # the prompt: qkv, o, gate_up, down per layer
+        assert small == [1] * (1 + 7 * (4 * layers + 1))  # its head; 7 decode steps: the layers' four and the head
         with torch.no_grad():
             for p in ref.parameters():
                 p.mul_(-1.0)
         named = list(ref.state_dict().items())
         thirds = [named[: len(named) // 3], named[len(named) // 3: 2 * len(named) // 3], named[2 * len(named) // 3:]]
-        assert any(n == "model.embed_tokens.weight" for n, _ in thirds[0] + thirds[1])
+        assert any(n == "model.embed_tokens.weight" for n, _ in thirds[0])
         for i, bucket in enumerate(thirds):
             engine.load_weights(bucket, "neg" if i == 2 else None)
-        assert len(rebuilds) == 1  # nothing rebuilt between buckets
-        assert engine.generate(PROMPTS[0], sp)[0].output_ids == hf_greedy(ref, PROMPTS[0], 8)
-        assert len(rebuilds) == 2
-        engine.load_weights([(n, t) for n, t in named if n == "model.norm.weight"], None)
-        engine.generate(PROMPTS[0], sp)
-        assert len(rebuilds) == 2  # an update that leaves the head alone keeps its copy
+        assert engine.generate(prompt, sp)[0].output_ids == hf_greedy(ref, prompt, 8)
     finally:
         engine.shutdown()

@@ -1,27 +1,38 @@
-"""Decode speed of the CPU engine, side by side in one run: its own forward (``lean``, the default), HF's
-``model()`` inside the same engine (``hf``: what the engine did before), HF ``generate`` on a static
-batch, and llama.cpp on the same weights when ``--gguf`` is given (``pip install llama-cpp-python``
-for the benchmark only; its source carries ``convert_hf_to_gguf.py`` to make F32/BF16 GGUFs).
+"""Decode speed of the CPU engine, side by side in one run: its own forward (``lean``, the default; ``--bf16``
+adds it in bfloat16), the same with torch's matmuls only (``-torch``: ``--decode-kernel torch``, no gemv.c),
+HF's ``model()`` inside the same engine (``hf``), HF ``generate`` on a static batch, and llama.cpp on the same
+weights for each ``--gguf`` given (``pip install llama-cpp-python`` for the benchmark only; its source carries
+``convert_hf_to_gguf.py`` to make F32/BF16 GGUFs from the HF directory).
 
-Greedy, EOS ignored, prefill excluded: each rate is (tokens of an N-token run - tokens of a 1-token run)
-/ (time of the N-token run - time of the 1-token run), best of ``--repeats``, the variants interleaved
-per repeat so machine noise hits all of them.
+Each engine variant is a real engine server process (``slime_server.rollout.engine_server``, as deployed:
+one engine per process), driven over HTTP ``/generate`` with ``c`` concurrent requests; HF and llama.cpp
+run in this process. Greedy, EOS ignored, prefill excluded: each rate is (tokens of an N-token run - tokens
+of a 1-token run) / (time of the N-token run - time of the 1-token run), best of ``--repeats``, the variants
+interleaved per repeat so machine noise hits all of them.
 
-    python tools/bench_decode.py --model smollm2 --levels 1,8,32 --new-tokens 64 [--gguf model-f32.gguf]
+    python tools/bench_decode.py --model smollm2 --levels 1,8,32 --new-tokens 64 --bf16 \
+        [--gguf model-f32.gguf --gguf model-bf16.gguf]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
+
+from slime_server.utils.net import find_free_port, wait_http_ok
+from slime_server.utils.procs import kill_group, python_module_cmd, spawn
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -29,14 +40,33 @@ def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> float:
-    from slime_server.rollout.protocol import SamplingParams
+def engine_run(url: str, prompts: list[list[int]], new_tokens: int) -> float:
+    body = {"sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+    with httpx.Client(timeout=600) as client, ThreadPoolExecutor(len(prompts)) as pool:
+        def one(p: list[int]) -> None:
+            client.post(f"{url}/generate", json={**body, "input_ids": p}).raise_for_status()
 
-    sp = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:  # submitted together: decoded as one batch
-        list(pool.map(lambda p: engine.generate(p, sp), prompts))
-    return time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(pool.map(one, prompts))  # sent together: decoded as one batch
+        return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def engine_server(path: str, forward: str, dtype: str, kernel: str, threads: int, max_running: int, log_dir: str
+                  ) -> Iterator[str]:
+    """One engine server process as ``serve`` starts them (its own process, ``threads`` torch threads)."""
+    port = find_free_port()
+    cmd = python_module_cmd("slime_server.rollout.engine_server", "--model-path", path, "--port", str(port),
+                            "--num-threads", str(threads), "--forward", forward, "--dtype", dtype,
+                            "--decode-kernel", kernel,
+                            "--prefix-cache-mb", "0", "--max-running-requests", str(max_running))
+    proc = spawn(cmd, env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
+                 log_path=f"{log_dir}/engine-{forward}-{dtype}-{kernel}.log")
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", timeout=300, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        kill_group(proc)
 
 
 def hf_run(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
@@ -59,8 +89,9 @@ def llamacpp_run(llm: Any, prompt: list[int], new_tokens: int) -> float:
 
 
 def decode_rate(run: Any, n_seqs: int, new_tokens: int) -> float:
+    """0 when the N-token run was not slower than the 1-token run (noise from outside: a sample to drop)."""
     full, one = run(new_tokens), run(1)
-    return n_seqs * (new_tokens - 1) / max(full - one, 1e-9)
+    return n_seqs * (new_tokens - 1) / (full - one) if full > one else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,60 +103,56 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bf16", action="store_true", help="also the lean engine in bfloat16")
-    ap.add_argument("--gguf", default=None, help="llama.cpp model of the same weights (batch 1 only)")
+    ap.add_argument("--gguf", action="append", default=[], help="llama.cpp model of the same weights (batch 1 "
+                    "only; repeat for F32 and BF16: a file named *bf16* is compared with the bf16 engine)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
-    from slime_server.rollout.cpu_engine import CPUEngine, EngineConfig
     from slime_server.server.launch import resolve_model_path
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     levels = [int(x) for x in args.levels.split(",")]
-    kinds = {"lean": ("lean", "float32"), "hf": ("hf", "float32"), "lean-bf16": ("lean", "bfloat16")}
-    engines = {name: CPUEngine(EngineConfig(model_path=path, max_running_requests=max(levels), num_threads=args.threads,
-                                            forward=fwd, dtype=dtype, prefix_cache_mb=0))
-               for name, (fwd, dtype) in kinds.items() if name != "lean-bf16" or args.bf16}
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    vocab = hf.config.vocab_size
-    llm = None
-    if args.gguf:
-        from llama_cpp import Llama
-
-        llm = Llama(model_path=args.gguf, n_threads=args.threads, n_ctx=args.prompt_len + args.new_tokens + 8,
-                    verbose=False, logits_all=False)
+    kinds = {"lean": ("lean", "float32", "c"), "lean-torch": ("lean", "float32", "torch"),
+             "hf": ("hf", "float32", "torch"), "lean-bf16": ("lean", "bfloat16", "c"),
+             "lean-bf16-torch": ("lean", "bfloat16", "torch")}
     best: dict[str, float] = {}
-    try:
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(engine_server(path, fwd, dtype, kernel, args.threads, max(levels), logs))
+                for name, (fwd, dtype, kernel) in kinds.items() if "bf16" not in name or args.bf16}
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        vocab = hf.config.vocab_size
+        llms: dict[str, Any] = {}
+        for gguf in args.gguf:
+            from llama_cpp import Llama
+
+            llms[Path(gguf).stem] = Llama(model_path=gguf, n_threads=args.threads, verbose=False, logits_all=False,
+                                          n_ctx=args.prompt_len + args.new_tokens + 8)
         for c in levels:
             prompts = _prompts(vocab, c, args.prompt_len, seed=c)
-            variants: dict[str, Any] = {
-                f"engine-lean c={c}": lambda n, p=prompts: engine_run(engines["lean"], p, n),
-                f"engine-hf c={c}": lambda n, p=prompts: engine_run(engines["hf"], p, n),
-                f"hf-static c={c}": lambda n, p=prompts: hf_run(hf, p, n),
-            }
-            if "lean-bf16" in engines:
-                variants[f"engine-lean-bf16 c={c}"] = lambda n, p=prompts: engine_run(engines["lean-bf16"], p, n)
-            if llm is not None and c == 1:
-                variants[f"llama.cpp c={c}"] = lambda n, p=prompts[0]: llamacpp_run(llm, p, n)
+            variants: dict[str, Any] = {f"engine-{name} c={c}": lambda n, u=url, p=prompts: engine_run(u, p, n)
+                                        for name, url in urls.items()}
+            variants[f"hf-static c={c}"] = lambda n, p=prompts: hf_run(hf, p, n)
+            if c == 1:
+                for name, llm in llms.items():
+                    variants[f"llama.cpp {name} c={c}"] = lambda n, m=llm, p=prompts[0]: llamacpp_run(m, p, n)
             for run in variants.values():
                 run(2)  # warm up
             for _ in range(args.repeats):
                 for name, run in variants.items():
                     best[name] = max(best.get(name, 0.0), decode_rate(run, c, args.new_tokens))
             for name in variants:
-                print(f"{name:<22} {best[name]:8.1f} tok/s", flush=True)
+                print(f"{name:<28} {best[name]:8.1f} tok/s", flush=True)
             base = best[f"hf-static c={c}"]
-            print(f"c={c}: lean / HF static = {best[f'engine-lean c={c}'] / base:.2f}x, "
-                  f"lean / engine-hf = {best[f'engine-lean c={c}'] / best[f'engine-hf c={c}']:.2f}x"
-                  + (f", lean / llama.cpp = {best[f'engine-lean c={c}'] / best[f'llama.cpp c={c}']:.2f}x"
-                     if f"llama.cpp c={c}" in best else ""), flush=True)
+            ratios = [f"{v} / HF static = {best[f'engine-{v} c={c}'] / base:.2f}x" for v in urls]
+            ratios += [f"{v} / {m} = {best[f'engine-{v} c={c}'] / best[f'llama.cpp {m} c={c}']:.2f}x"
+                       for v in urls if v != "hf" for m in llms if c == 1 and ("bf16" in v) == ("bf16" in m.lower())]
+            print(f"c={c}: " + ", ".join(ratios), flush=True)
         if len(levels) > 1:
-            print(f"lean c={levels[-1]} / lean c={levels[0]} = "
-                  f"{best[f'engine-lean c={levels[-1]}'] / best[f'engine-lean c={levels[0]}']:.2f}x")
-    finally:
-        for e in engines.values():
-            e.shutdown()
+            for v in urls:
+                print(f"{v} c={levels[-1]} / c={levels[0]} = "
+                      f"{best[f'engine-{v} c={levels[-1]}'] / best[f'engine-{v} c={levels[0]}']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(best, indent=2))
     return 0

@@ -59,8 +59,10 @@ from slime_server.rollout.protocol import (
     version_spans,
 )
 from slime_server.rollout.sampling import logprobs_of, sample_token, top_logprobs
+from slime_server.utils.procs import name_os_thread
 
 log = logging.getLogger(__name__)
+SCHEDULER_OS_NAME = "slime-engine"  # the scheduler thread's OS name (top -H, /proc/<pid>/task/*/comm)
 
 
 class EngineConfig(BaseModel):
@@ -78,6 +80,9 @@ class EngineConfig(BaseModel):
                                            "model() with a cache rebuilt per step (the reference)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights, activations and K/V; bfloat16 "
                                                   "halves the memory read per token (log-probs are still fp32)")
+    decode_kernel: Literal["c", "torch"] = Field("c", description="c: the decode step's matmuls through gemv.c, "
+                                                 "built for this CPU on first use (AVX-512; torch's where it cannot "
+                                                 "be built); torch: torch's kernels throughout (the reference)")
     prefix_cache_mb: float = Field(512.0, ge=0, description="MiB of K/V of finished generations kept for prompts "
                                    "that start with them (lean forward only; 0: off); cleared on weight updates")
 
@@ -95,26 +100,10 @@ class CPUEngine:
     """Owns the model and the scheduler thread; thread-safe entry points for everything else."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
+        """Loads the model on the scheduler thread (see ``_setup``) and returns once it serves; a loading error
+        is raised here."""
         self.config = config
-        torch.set_num_threads(config.num_threads)
-        loaded = load_engine_model(config.model_path, getattr(torch, config.dtype), lean=config.forward == "lean")
-        self.model = loaded.hf_model  # HF's model only where the lean forward does not serve (forward: hf)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        mc = loaded.config
-        self.vocab_size: int = int(mc.vocab_size)
-        self.context_length: int = config.context_length or int(getattr(mc, "max_position_embeddings", 4096))
-        self.max_total_tokens: int = config.max_total_tokens or self.context_length * config.max_running_requests
-        self.eos_ids: set[int] = set(loaded.eos_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self.weight_version: str = config.weight_version
-        self._params: dict[str, torch.Tensor] = loaded.params
-        self.lean = LeanForward(mc, self._params, loaded.rope) if loaded.rope is not None else None
-        self.weight_bytes = loaded.weight_bytes
-        budget = int(config.prefix_cache_mb * 2**20 / self.lean.kv_bytes_per_token) if self.lean else 0
-        self.prefix_cache = PrefixCache(budget) if budget > 0 else None
         self._rng = random.Random(config.seed)
         self._cv = threading.Condition()
         self._waiting: deque[Sequence] = deque()
@@ -126,8 +115,52 @@ class CPUEngine:
         self.last_progress = 0.0  # monotonic time of the last prefill or decode step (health probes)
         self._stop = False
         self.stats = {"prefill_tokens": 0, "decode_steps": 0, "generated_tokens": 0, "finished": 0}
-        self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
+        ready = threading.Event()
+        failed: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(ready, failed), name="cpu-engine-scheduler",
+                                        daemon=True)
         self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+
+    def _run(self, ready: threading.Event, failed: list[BaseException]) -> None:
+        name_os_thread(SCHEDULER_OS_NAME)  # its OpenMP workers inherit the name
+        try:
+            self._setup()
+        except BaseException as e:  # raised by __init__ in the caller's thread
+            failed.append(e)
+            return
+        finally:
+            ready.set()
+        self._loop()
+
+    def _setup(self) -> None:
+        """Everything that computes with torch runs on this one thread, loading included. Why: torch's
+        parallel ops use OpenMP, and every thread that runs one keeps a team of OpenMP workers for good; once
+        the process holds more of them than it has cores, libgomp stops spinning between parallel regions
+        and each of the ~500 ops of a decode step waits for its workers to wake (bf16 SmolLM2 at 2 threads:
+        31 tok/s when the model had been loaded on another thread, 52 when not)."""
+        from transformers import AutoTokenizer
+
+        config = self.config
+        torch.set_num_threads(config.num_threads)
+        loaded = load_engine_model(config.model_path, getattr(torch, config.dtype), lean=config.forward == "lean")
+        self.model = loaded.hf_model  # HF's model only where the lean forward does not serve (forward: hf)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        mc = loaded.config
+        self.vocab_size: int = int(mc.vocab_size)
+        self.context_length: int = config.context_length or int(getattr(mc, "max_position_embeddings", 4096))
+        self.max_total_tokens: int = config.max_total_tokens or self.context_length * config.max_running_requests
+        self.eos_ids: set[int] = set(loaded.eos_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(self.tokenizer.eos_token_id))
+        self._params: dict[str, torch.Tensor] = loaded.params
+        self.lean = (LeanForward(mc, self._params, loaded.rope, decode_kernel=config.decode_kernel)
+                     if loaded.rope is not None else None)
+        self.weight_bytes = loaded.weight_bytes
+        budget = int(config.prefix_cache_mb * 2**20 / self.lean.kv_bytes_per_token) if self.lean else 0
+        self.prefix_cache = PrefixCache(budget) if budget > 0 else None
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs_num: int = 0,
@@ -335,8 +368,6 @@ class CPUEngine:
             with torch.no_grad():
                 for name, t in commit.named:
                     self._params[name].copy_(t)
-            if self.lean is not None:
-                self.lean.weights_changed([self._params[name] for name, _ in commit.named])
             if commit.flush and not (not self._running and (self._paused or not self._waiting)):
                 commit.error = FlushRefused("requests are running or queued")
             elif commit.version is not None:

@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bfloat16 halves the memory read per token where the CPU has native bf16")
     ap.add_argument("--forward", choices=["lean", "hf"], default="lean",
                     help="lean: the engine's own forward (llama/mistral/qwen2/qwen3); hf: HF's model() (reference)")
+    ap.add_argument("--decode-kernel", choices=["c", "torch"], default="c",
+                    help="c: decode matmuls through the engine's C kernel, built for this CPU (AVX-512) on first "
+                    "use; torch: torch's kernels throughout")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--health-check-timeout", type=float, default=HEALTH_GENERATE_TIMEOUT_S,
                     help="/health_generate waits this long for scheduler progress (SGLang: 20 s)")
@@ -323,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     config = EngineConfig(model_path=args.model_path, max_running_requests=args.max_running_requests,
                           max_total_tokens=args.max_total_tokens, context_length=args.context_length,
                           weight_version=args.weight_version, seed=args.seed, num_threads=args.num_threads,
-                          forward=args.forward, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype)
+                          forward=args.forward, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype,
+                          decode_kernel=args.decode_kernel)
     engine = CPUEngine(config)
 
     @asynccontextmanager

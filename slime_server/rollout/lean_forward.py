@@ -8,9 +8,10 @@ preallocated K/V buffer (``engine_sequence.Sequence.kv``: nothing is copied betw
 
 The fused weights are the model's storage: the named tensors (``q_proj.weight`` ...) become views
 into them, so a weight update copied into them (``CPUEngine.load_weights``) updates the fused
-matmuls too. The tensors come straight from the checkpoint (engine_model.py); architectures: llama,
-mistral (no sliding window), qwen2, qwen3; anything else keeps the HF path
-(``engine_model.lean_supported``).
+matmuls too, and every matmul reads them as stored: a decode step's few rows through gemv.c
+(gemv.py), longer ones through oneDNN (fp32) or F.linear (bf16), none on a packed copy. The tensors
+come straight from the checkpoint (engine_model.py); architectures: llama, mistral (no sliding
+window), qwen2, qwen3; anything else keeps the HF path (``engine_model.lean_supported``).
 """
 
 from __future__ import annotations
@@ -18,18 +19,15 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own convention
 
+from slime_server.rollout import gemv
 from slime_server.rollout.engine_model import Rope, lean_supported
 from slime_server.rollout.engine_sequence import Sequence
 
-# fp32 vocabulary projections at least this large go through oneDNN, on a copy of the weight: MKL's fp32
-# GEMV read them at ~11 GB/s on the 2-core AMD EPYC the benchmarks ran on, oneDNN at ~20 (SmolLM2's 576 x
-# 49152: 10.2 -> 5.4 ms per token at batch 1, 17.6 -> 8.4 ms at 8)
-MKLDNN_HEAD_MIN = 8 * 2**20
 PREFILL_MASK_ELEMENTS = 16 * 2**20  # attention mask elements per chunk of a prefill after a reused prefix
 
 
@@ -61,7 +59,8 @@ def _fuse(params: MutableMapping[str, torch.Tensor], names: Seq[str]) -> torch.T
 class LeanForward:
     """``prefill`` (one sequence, its prompt) and ``decode`` (a batch, one token each) -> logits."""
 
-    def __init__(self, cfg: Any, params: MutableMapping[str, torch.Tensor], rope: Rope) -> None:
+    def __init__(self, cfg: Any, params: MutableMapping[str, torch.Tensor], rope: Rope,
+                 decode_kernel: Literal["c", "torch"] = "c") -> None:
         """``params``: the model's tensors by HF state-dict name (engine_model.load_engine_model); the names
         fused here are replaced by views into the fused tensors, so copying an update into ``params[name]``
         updates what this forward computes with."""
@@ -90,14 +89,20 @@ class LeanForward:
                 q_norm=params.get(f"{a}q_norm.weight"), k_norm=params.get(f"{a}k_norm.weight")))
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
-        self._head: torch.nn.Module | None = None
-        self._head_stale = True  # the oneDNN copy of lm_head is (re)built by the next forward that needs it
+        self._torch_linear = _onednn_linear if _use_onednn(self.embed.dtype) else F.linear
+        self._gemv = gemv.kernel(self.embed.dtype) if decode_kernel == "c" else None
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
 
     # ------------------------------------------------------------------ pieces
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A decode step's few rows through gemv.c where it is built, everything else through torch."""
+        if self._gemv is not None and x.shape[0] <= gemv.MAX_ROWS:
+            return self._gemv(x, weight, bias)
+        return self._torch_linear(x, weight, bias)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm in one op (torch computes its statistics in fp32 for bf16 input too, as HF does)."""
         return F.rms_norm(x, weight.shape, weight, self.eps)
@@ -112,7 +117,7 @@ class LeanForward:
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[N, H] -> q [N, nh, hd], k and v [N, nkv, hd], normed (qwen3) and rotated."""
         n = h.shape[0]
-        heads = F.linear(h, layer.qkv, layer.qkv_bias).view(n, self.n_heads + 2 * self.n_kv, self.head_dim)
+        heads = self._linear(h, layer.qkv, layer.qkv_bias).view(n, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk, v = heads[:, : self.n_heads + self.n_kv], heads[:, self.n_heads + self.n_kv:]
         if layer.q_norm is not None:
             qk = torch.cat((self._norm(qk[:, : self.n_heads], layer.q_norm),
@@ -121,39 +126,14 @@ class LeanForward:
         return qk[:, : self.n_heads], qk[:, self.n_heads:], v
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        gate, up = self._linear(self._norm(x, layer.post_norm), layer.gate_up, None).chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, layer.down, None)
 
     def _positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope(positions, self.embed.dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        h = self._norm(x, self.final_norm)
-        if self._head_stale:
-            self._rebuild_head()
-        if self._head is not None:
-            return self._head(h)
-        return F.linear(h, self.lm_head)
-
-    def weights_changed(self, tensors: Seq[torch.Tensor]) -> None:
-        """``tensors`` (the engine's, by name) were overwritten: what copies them must be rebuilt. Only the
-        oneDNN vocabulary projection copies a weight, and it is rebuilt once, by the next forward: a push of N
-        buckets (engine paused) used to rebuild it after every bucket, a copy of the embedding each time (16
-        rebuilds of 131 MB in a 257 MB push of 16 MiB buckets)."""
-        head = self.lm_head.untyped_storage().data_ptr()
-        if any(t.untyped_storage().data_ptr() == head for t in tensors):
-            self._head_stale = True
-
-    def _rebuild_head(self) -> None:
-        self._head_stale = False
-        self._head = None
-        if (self.lm_head.dtype == torch.float32 and self.lm_head.numel() >= MKLDNN_HEAD_MIN
-                and torch.backends.mkldnn.is_available()):
-            from torch.utils.mkldnn import MkldnnLinear
-
-            dense = torch.nn.Linear(self.lm_head.shape[1], self.lm_head.shape[0], bias=False)
-            dense.weight = torch.nn.Parameter(self.lm_head.detach(), requires_grad=False)
-            self._head = MkldnnLinear(dense, torch.float)
+        return self._linear(self._norm(x, self.final_norm), self.lm_head, None)
 
     # ------------------------------------------------------------------ passes
     def prefill(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], all_logits: bool = False,
@@ -169,7 +149,7 @@ class LeanForward:
             kb[:, start:n] = k.transpose(0, 1)
             vb[:, start:n] = v.transpose(0, 1)
             att = self._prefill_attention(q.transpose(0, 1)[None], kb[None], vb[None], start, n)  # [1, nh, new, hd]
-            x = x + F.linear(att[0].transpose(0, 1).reshape(new, self.q_size), layer.o, layer.o_bias)
+            x = x + self._linear(att[0].transpose(0, 1).reshape(new, self.q_size), layer.o, layer.o_bias)
             x = self._mlp(layer, x)
         return self._logits(x if all_logits else x[-1:])
 
@@ -196,7 +176,7 @@ class LeanForward:
         token's K/V into the batch's buffer and advances every ``kv_len``.
 
         The running batch's K/V live in one padded buffer per layer, [B, nkv, cap, hd], row b being sequence
-        b's (``seq.kv`` are views of its row). Attention is then three batched ops per layer whatever B is.
+        b's (``seq.kv`` are views of its row). Attention is then one batched op per layer whatever B is.
         The buffer is rebuilt (each sequence's K/V copied in once) only when the batch's members change or a
         sequence outgrows ``cap`` (which doubles): amortised over the steps in between, not paid per step."""
         n = len(batch)
@@ -205,19 +185,25 @@ class LeanForward:
             self._rebuild(batch, int(pos.max()) + 1)
         rows = torch.arange(n)
         length = int(pos.max()) + 1
-        hidden = torch.arange(length)[None, :] > pos[:, None]  # [B, L]: positions a sequence does not have
-        bias = torch.zeros((n, 1, 1, length), dtype=self.embed.dtype).masked_fill_(hidden[:, None, None, :],
-                                                                                 float("-inf"))
+        mask = None  # a lone sequence sees its whole buffer up to ``length``: no mask
+        if n > 1:
+            hidden = torch.arange(length)[None, :] > pos[:, None]  # [B, L]: positions a sequence does not have
+            mask = torch.zeros((n, 1, 1, length), dtype=self.embed.dtype).masked_fill_(hidden[:, None, None, :],
+                                                                                       float("-inf"))
         x = F.embedding(torch.tensor([s.output_ids[-1] for s in batch]), self.embed)
         cos, sin = self._positions(pos)
+        at = int(pos[0])
         for layer, (kp, vp) in zip(self.layers, self._pool, strict=True):
             q, k, v = self._qkv(layer, self._norm(x, layer.in_norm), cos, sin)
-            kp[rows, :, pos] = k
-            vp[rows, :, pos] = v
-            q = q.view(n, self.n_kv, self.group, self.head_dim)  # query heads grouped by their K/V head
-            scores = torch.matmul(q, kp[:, :, :length].transpose(-1, -2)).mul_(self.scale).add_(bias)  # [B,nkv,g,L]
-            att = torch.matmul(torch.softmax(scores, dim=-1), vp[:, :, :length]).reshape(n, self.q_size)
-            x = self._mlp(layer, x + F.linear(att, layer.o, layer.o_bias))
+            if n == 1:  # a plain copy; indexing by tensors costs an index_put per layer
+                kp[0, :, at].copy_(k[0])
+                vp[0, :, at].copy_(v[0])
+            else:
+                kp[rows, :, pos] = k
+                vp[rows, :, pos] = v
+            att = F.scaled_dot_product_attention(q[:, :, None], kp[:, :, :length], vp[:, :, :length], attn_mask=mask,
+                                                 enable_gqa=True)  # [B, nh, 1, hd]
+            x = self._mlp(layer, x + self._linear(att.reshape(n, self.q_size), layer.o, layer.o_bias))
         for s in batch:
             s.kv_len += 1
         return self._logits(x)
@@ -251,3 +237,17 @@ class LeanForward:
         """Empty per-layer K/V buffers for one sequence."""
         return [(self.embed.new_empty((self.n_kv, capacity, self.head_dim)),
                  self.embed.new_empty((self.n_kv, capacity, self.head_dim))) for _ in self.layers]
+
+
+def _use_onednn(dtype: torch.dtype) -> bool:
+    """fp32 matmuls that torch runs (a prompt's; every one where gemv.c is not built) go through oneDNN where
+    torch has it: over SmolLM2's 120 layer matrices at one row, out of cache, MKL's fp32 path (F.linear's)
+    read the weights at 17.6 GB/s on the 2-core AMD EPYC the benchmarks ran on, oneDNN at 28-31. bf16 stays
+    on F.linear (oneDNN's bf16 is no faster on the plain layout)."""
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` through oneDNN, on the weight as it is stored (no packed copy: it reads the live tensor,
+    so a weight update copied into it is what the next call computes with)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -1,0 +1,103 @@
+"""The decode step's matrix-vector products in C (gemv.c), built for this machine on first use.
+
+Why: a decode step's matmuls multiply every weight once by a few rows, so they run at the speed the weights
+stream in, and torch's fp32 kernels stream them at 17 (MKL) to 31 (oneDNN) GB/s on the 2-core AMD EPYC the
+benchmarks ran on where this loop reaches ~40 (``tools/bench_decode.py`` measures the engine end to end).
+The source is compiled once per machine with the system C compiler (``cc -O3 -march=native -fopenmp``,
+~0.2 s) into the cache (``$SLIME_SERVER_CACHE`` or ``~/.cache/slime-server``, ``kernels/``), keyed by the
+source, the compiler and the CPU's flags; it links ``libgomp.so.1``, which in a process that imported torch
+is torch's own OpenMP runtime (one soname, loaded once), so its threads are torch's. Without a compiler,
+AVX-512, or (bf16) AVX512-BF16, ``load()`` says why once and the engine keeps torch's matmuls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("gemv.c")
+MAX_ROWS = 16  # rows of x up to which the kernel beats torch's GEMM (decode batches; prefill stays on torch)
+_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SLIME_SERVER_CACHE") or os.path.join(Path.home(), ".cache", "slime-server")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / f"gemv-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out)],
+                       check=True, capture_output=True, text=True, timeout=300)
+        os.replace(out, target)  # atomic: engines starting together each build, one file wins
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) when it cannot be built here."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler (cc): the CPU engine's decode matmuls stay on torch's kernels")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("building gemv.c failed (%s): the CPU engine's decode matmuls stay on torch's kernels", detail)
+        return None
+    for name in ("slime_gemv_f32", "slime_gemv_bf16"):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+    return lib
+
+
+def kernel(dtype: torch.dtype) -> Linear | None:
+    """``linear(x, weight, bias)`` as F.linear, for 2-D ``x`` of at most MAX_ROWS rows and a ``weight`` whose rows
+    are contiguous, in ``dtype`` (float32 or bfloat16); None where this machine's build has no such kernel."""
+    lib = load()
+    name = {torch.float32: "slime_gemv_f32", torch.bfloat16: "slime_gemv_bf16"}.get(dtype)
+    fn = getattr(lib, name, None) if lib is not None and name else None
+    if fn is None:
+        return None
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous()
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty((m, n), dtype=dtype)
+        fn(weight.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, weight.stride(0), torch.get_num_threads())
+        return y if bias is None else y.add_(bias)
+
+    return linear
