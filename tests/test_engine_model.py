@@ -121,7 +121,8 @@ def test_an_engine_start_imports_no_modeling_code(tiny_model_path: Path) -> None
 
 def test_fp32_matmuls_run_on_the_live_weights_through_gemv_and_onednn(tiny_model_path: Path, monkeypatch) -> None:
     """In fp32 the lean forward's matmuls of up to gemv.MAX_ROWS rows (decode steps, the head at prefill) run
-    in gemv.c, the longer ones (a prompt's) in oneDNN, both on the weights as stored (no packed copy to keep in
+    in gemv.c (with their norms, SiLU and residual adds), the longer ones (a prompt's) in oneDNN, both on the
+    weights as stored (no packed copy to keep in
     step): after an update in three buckets (the embedding, which the tied head shares, in the first) the
     engine answers as HF's model with those weights."""
     from slime_server.rollout import gemv, lean_forward
@@ -134,7 +135,7 @@ def test_fp32_matmuls_run_on_the_live_weights_through_gemv_and_onednn(tiny_model
     try:
         assert engine.lean is not None and engine.lean._gemv is not None
         small, kernel = [], engine.lean._gemv
-        engine.lean._gemv = lambda x, w, b: (small.append(x.shape[0]), kernel(x, w, b))[1]
+        engine.lean._gemv = lambda x, w, b=None, **kw: (small.append(x.shape[0]), kernel(x, w, b, **kw))[1]
         sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
         prompt = PROMPTS[1]
         assert len(prompt) > gemv.MAX_ROWS

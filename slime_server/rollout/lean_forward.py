@@ -97,11 +97,23 @@ class LeanForward:
         self.kv_size = self.n_kv * self.head_dim
 
     # ------------------------------------------------------------------ pieces
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """A decode step's few rows through gemv.c where it is built, everything else through torch."""
-        if self._gemv is not None and x.shape[0] <= gemv.MAX_ROWS:
-            return self._gemv(x, weight, bias)
-        return self._torch_linear(x, weight, bias)
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows (a decode step's few) go through gemv.c, with its neighbouring ops folded in."""
+        return self._gemv is not None and x.shape[0] <= gemv.MAX_ROWS
+
+    def _norm_linear(self, x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """linear(rms_norm(x))"""
+        if self._fused(x):
+            return self._gemv(x, weight, bias, norm=norm, eps=self.eps)
+        return self._torch_linear(self._norm(x, norm), weight, bias)
+
+    def _residual_linear(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """x + linear(h)"""
+        if self._fused(h):
+            return self._gemv(h, weight, bias, resid=x)
+        return x + self._torch_linear(h, weight, bias)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm in one op (torch computes its statistics in fp32 for bf16 input too, as HF does)."""
@@ -113,11 +125,12 @@ class LeanForward:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _qkv(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[N, H] -> q [N, nh, hd], k and v [N, nkv, hd], normed (qwen3) and rotated."""
-        n = h.shape[0]
-        heads = self._linear(h, layer.qkv, layer.qkv_bias).view(n, self.n_heads + 2 * self.n_kv, self.head_dim)
+        """The residual stream [N, H] -> q [N, nh, hd], k and v [N, nkv, hd], normed (qwen3) and rotated."""
+        n = x.shape[0]
+        heads = self._norm_linear(x, layer.in_norm, layer.qkv, layer.qkv_bias).view(n, self.n_heads + 2 * self.n_kv,
+                                                                                    self.head_dim)
         qk, v = heads[:, : self.n_heads + self.n_kv], heads[:, self.n_heads + self.n_kv:]
         if layer.q_norm is not None:
             qk = torch.cat((self._norm(qk[:, : self.n_heads], layer.q_norm),
@@ -126,14 +139,17 @@ class LeanForward:
         return qk[:, : self.n_heads], qk[:, self.n_heads:], v
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._linear(self._norm(x, layer.post_norm), layer.gate_up, None).chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, layer.down, None)
+        gate_up = self._norm_linear(x, layer.post_norm, layer.gate_up, None)
+        if self._fused(gate_up):
+            return self._gemv(gate_up, layer.down, silu_mul=True, resid=x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + self._torch_linear(F.silu(gate) * up, layer.down, None)
 
     def _positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope(positions, self.embed.dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(self._norm(x, self.final_norm), self.lm_head, None)
+        return self._norm_linear(x, self.final_norm, self.lm_head, None)
 
     # ------------------------------------------------------------------ passes
     def prefill(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], all_logits: bool = False,
@@ -145,12 +161,12 @@ class LeanForward:
         x = F.embedding(torch.tensor(ids[start:]), self.embed)
         cos, sin = self._positions(torch.arange(start, n))
         for layer, (kb, vb) in zip(self.layers, kv, strict=True):
-            q, k, v = self._qkv(layer, self._norm(x, layer.in_norm), cos, sin)
+            q, k, v = self._qkv(layer, x, cos, sin)
             kb[:, start:n] = k.transpose(0, 1)
             vb[:, start:n] = v.transpose(0, 1)
             att = self._prefill_attention(q.transpose(0, 1)[None], kb[None], vb[None], start, n)  # [1, nh, new, hd]
-            x = x + self._linear(att[0].transpose(0, 1).reshape(new, self.q_size), layer.o, layer.o_bias)
-            x = self._mlp(layer, x)
+            x = self._mlp(layer, self._residual_linear(x, att[0].transpose(0, 1).reshape(new, self.q_size), layer.o,
+                                                       layer.o_bias))
         return self._logits(x if all_logits else x[-1:])
 
     @staticmethod
@@ -194,7 +210,7 @@ class LeanForward:
         cos, sin = self._positions(pos)
         at = int(pos[0])
         for layer, (kp, vp) in zip(self.layers, self._pool, strict=True):
-            q, k, v = self._qkv(layer, self._norm(x, layer.in_norm), cos, sin)
+            q, k, v = self._qkv(layer, x, cos, sin)
             if n == 1:  # a plain copy; indexing by tensors costs an index_put per layer
                 kp[0, :, at].copy_(k[0])
                 vp[0, :, at].copy_(v[0])
@@ -203,7 +219,7 @@ class LeanForward:
                 vp[rows, :, pos] = v
             att = F.scaled_dot_product_attention(q[:, :, None], kp[:, :, :length], vp[:, :, :length], attn_mask=mask,
                                                  enable_gqa=True)  # [B, nh, 1, hd]
-            x = self._mlp(layer, x + self._linear(att.reshape(n, self.q_size), layer.o, layer.o_bias))
+            x = self._mlp(layer, self._residual_linear(x, att.reshape(n, self.q_size), layer.o, layer.o_bias))
         for s in batch:
             s.kv_len += 1
         return self._logits(x)
