@@ -119,31 +119,34 @@ def test_an_engine_start_imports_no_modeling_code(tiny_model_path: Path) -> None
     assert got["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())  # tied: counted once
 
 
-def test_fp32_matmuls_run_on_the_live_weights_through_gemv_and_onednn(tiny_model_path: Path, monkeypatch) -> None:
-    """In fp32 the lean forward's matmuls of up to gemv.MAX_ROWS rows (decode steps, the head at prefill) run
-    in gemv.c (with their norms, SiLU and residual adds), the longer ones (a prompt's) in oneDNN, both on the
-    weights as stored (no packed copy to keep in
-    step): after an update in three buckets (the embedding, which the tied head shares, in the first) the
-    engine answers as HF's model with those weights."""
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_decode_matmuls_run_on_the_live_weights(tiny_model_path: Path, monkeypatch, kernel: str) -> None:
+    """A decode step's matmuls (up to gemv.MAX_ROWS rows, the prompt's head too) run in gemv.c with their
+    norms, SiLU and residual adds folded in, or with ``decode_kernel: torch`` through oneDNN in fp32; a
+    prompt's longer ones through F.linear (oneDNN keeps a primitive per shape: prompts of every length grew
+    memory). All on the weights as stored (no packed copy to keep in step): after an update in three buckets
+    (the embedding, which the tied head shares, in the first) the engine answers as HF's model with them."""
     from slime_server.rollout import gemv, lean_forward
     from tests._engine_helpers import hf_greedy, hf_model
 
-    onednn = []
+    onednn: list[int] = []
     original = lean_forward._onednn_linear
-    monkeypatch.setattr(lean_forward, "_onednn_linear", lambda *a: (onednn.append(1), original(*a))[1])
-    engine = CPUEngine(EngineConfig(model_path=str(tiny_model_path)))
+    monkeypatch.setattr(lean_forward, "_onednn_linear", lambda x, *a: (onednn.append(x.shape[0]), original(x, *a))[1])
+    engine = CPUEngine(EngineConfig(model_path=str(tiny_model_path), decode_kernel=kernel))
     try:
-        assert engine.lean is not None and engine.lean._gemv is not None
-        small, kernel = [], engine.lean._gemv
-        engine.lean._gemv = lambda x, w, b=None, **kw: (small.append(x.shape[0]), kernel(x, w, b, **kw))[1]
+        assert engine.lean is not None and (engine.lean._gemv is not None) == (kernel == "c")
+        small: list[int] = []
+        if kernel == "c":
+            fused = engine.lean._gemv
+            engine.lean._gemv = lambda x, w, b=None, **kw: (small.append(x.shape[0]), fused(x, w, b, **kw))[1]
         sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
         prompt = PROMPTS[1]
         assert len(prompt) > gemv.MAX_ROWS
         ref = hf_model(tiny_model_path)
         assert engine.generate(prompt, sp)[0].output_ids == hf_greedy(ref, prompt, 8)
         layers = len(engine.lean.layers)
-        assert len(onednn) == 4 * layers  # the prompt: qkv, o, gate_up, down per layer
-        assert small == [1] * (1 + 7 * (4 * layers + 1))  # its head; 7 decode steps: the layers' four and the head
+        rows = [1] * (1 + 7 * (4 * layers + 1))  # the prompt's head; 7 decode steps: 4 per layer and the head
+        assert (small, onednn) == ((rows, []) if kernel == "c" else ([], rows))
         with torch.no_grad():
             for p in ref.parameters():
                 p.mul_(-1.0)

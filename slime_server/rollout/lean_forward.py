@@ -9,7 +9,7 @@ preallocated K/V buffer (``engine_sequence.Sequence.kv``: nothing is copied betw
 The fused weights are the model's storage: the named tensors (``q_proj.weight`` ...) become views
 into them, so a weight update copied into them (``CPUEngine.load_weights``) updates the fused
 matmuls too, and every matmul reads them as stored: a decode step's few rows through gemv.c
-(gemv.py), longer ones through oneDNN (fp32) or F.linear (bf16), none on a packed copy. The tensors
+(gemv.py; oneDNN in fp32 where it is not built), longer ones through F.linear, none on a packed copy. The tensors
 come straight from the checkpoint (engine_model.py); architectures: llama, mistral (no sliding
 window), qwen2, qwen3; anything else keeps the HF path (``engine_model.lean_supported``).
 """
@@ -89,8 +89,9 @@ class LeanForward:
                 q_norm=params.get(f"{a}q_norm.weight"), k_norm=params.get(f"{a}k_norm.weight")))
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
-        self._torch_linear = _onednn_linear if _use_onednn(self.embed.dtype) else F.linear
         self._gemv = gemv.kernel(self.embed.dtype) if decode_kernel == "c" else None
+        # a decode step's rows where gemv.c is not built: oneDNN in fp32 (see _use_onednn), else F.linear
+        self._few_rows = _onednn_linear if self._gemv is None and _use_onednn(self.embed.dtype) else F.linear
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
         self.q_size = self.n_heads * self.head_dim
@@ -114,6 +115,9 @@ class LeanForward:
         if self._fused(h):
             return self._gemv(h, weight, bias, resid=x)
         return x + self._torch_linear(h, weight, bias)
+
+    def _torch_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return (self._few_rows if x.shape[0] <= gemv.MAX_ROWS else F.linear)(x, weight, bias)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm in one op (torch computes its statistics in fp32 for bf16 input too, as HF does)."""
@@ -256,10 +260,12 @@ class LeanForward:
 
 
 def _use_onednn(dtype: torch.dtype) -> bool:
-    """fp32 matmuls that torch runs (a prompt's; every one where gemv.c is not built) go through oneDNN where
-    torch has it: over SmolLM2's 120 layer matrices at one row, out of cache, MKL's fp32 path (F.linear's)
-    read the weights at 17.6 GB/s on the 2-core AMD EPYC the benchmarks ran on, oneDNN at 28-31. bf16 stays
-    on F.linear (oneDNN's bf16 is no faster on the plain layout)."""
+    """Where gemv.c is not built, a decode step's fp32 matmuls go through oneDNN: over SmolLM2's 120 layer
+    matrices at one row, out of cache, MKL's fp32 path (F.linear's) read the weights at 17.6 GB/s on the
+    2-core AMD EPYC the benchmarks ran on, oneDNN at 28-31. Only those (at most MAX_ROWS distinct row counts):
+    oneDNN builds and keeps a primitive per shape, and prompts of every length through it grew an engine's
+    memory for minutes (soak, 2 engines: +40 MB in 75 s and still growing; with F.linear flat after 15 s).
+    bf16 stays on F.linear (oneDNN's bf16 is no faster on the plain layout)."""
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
