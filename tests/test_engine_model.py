@@ -122,9 +122,9 @@ def test_an_engine_start_imports_no_modeling_code(tiny_model_path: Path) -> None
 @pytest.mark.parametrize("kernel", ["c", "torch"])
 def test_decode_matmuls_run_on_the_live_weights(tiny_model_path: Path, monkeypatch, kernel: str) -> None:
     """A decode step's matmuls (up to gemv.MAX_ROWS rows, the prompt's head too) run in gemv.c with their
-    norms, SiLU and residual adds folded in, or with ``decode_kernel: torch`` through oneDNN in fp32; a
-    prompt's longer ones through F.linear (oneDNN keeps a primitive per shape: prompts of every length grew
-    memory). All on the weights as stored (no packed copy to keep in step): after an update in three buckets
+    norms, SiLU and residual adds folded in, or with ``decode_kernel: torch`` through oneDNN in fp32 (as a
+    decode batch over MAX_ROWS does); a prompt's longer ones through F.linear (oneDNN keeps a primitive per
+    shape: prompts of every length grew memory). All on the weights as stored (no packed copy to keep in step): after an update in three buckets
     (the embedding, which the tied head shares, in the first) the engine answers as HF's model with them."""
     from slime_server.rollout import gemv, lean_forward
     from tests._engine_helpers import hf_greedy, hf_model

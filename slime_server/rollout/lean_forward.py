@@ -9,7 +9,8 @@ preallocated K/V buffer (``engine_sequence.Sequence.kv``: nothing is copied betw
 The fused weights are the model's storage: the named tensors (``q_proj.weight`` ...) become views
 into them, so a weight update copied into them (``CPUEngine.load_weights``) updates the fused
 matmuls too, and every matmul reads them as stored: a decode step's few rows through gemv.c
-(gemv.py; oneDNN in fp32 where it is not built), longer ones through F.linear, none on a packed copy. The tensors
+(gemv.py), its larger batches through oneDNN in fp32, a prompt's through F.linear (see _use_onednn),
+none on a packed copy. The tensors
 come straight from the checkpoint (engine_model.py); architectures: llama, mistral (no sliding
 window), qwen2, qwen3; anything else keeps the HF path (``engine_model.lean_supported``).
 """
@@ -90,8 +91,8 @@ class LeanForward:
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
         self._gemv = gemv.kernel(self.embed.dtype) if decode_kernel == "c" else None
-        # a decode step's rows where gemv.c is not built: oneDNN in fp32 (see _use_onednn), else F.linear
-        self._few_rows = _onednn_linear if self._gemv is None and _use_onednn(self.embed.dtype) else F.linear
+        self._onednn = _use_onednn(self.embed.dtype)
+        self._decoding = False  # set by decode(): its batch sizes are bounded, a prompt's lengths are not
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
         self.q_size = self.n_heads * self.head_dim
@@ -117,7 +118,11 @@ class LeanForward:
         return x + self._torch_linear(h, weight, bias)
 
     def _torch_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return (self._few_rows if x.shape[0] <= gemv.MAX_ROWS else F.linear)(x, weight, bias)
+        """What gemv.c does not take: oneDNN in fp32 for a decode step (any batch) and up to MAX_ROWS rows,
+        F.linear for longer prompts and in bf16 (see _use_onednn)."""
+        if self._onednn and (self._decoding or x.shape[0] <= gemv.MAX_ROWS):
+            return _onednn_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm in one op (torch computes its statistics in fp32 for bf16 input too, as HF does)."""
@@ -199,6 +204,13 @@ class LeanForward:
         b's (``seq.kv`` are views of its row). Attention is then one batched op per layer whatever B is.
         The buffer is rebuilt (each sequence's K/V copied in once) only when the batch's members change or a
         sequence outgrows ``cap`` (which doubles): amortised over the steps in between, not paid per step."""
+        self._decoding = True
+        try:
+            return self._decode(batch)
+        finally:
+            self._decoding = False
+
+    def _decode(self, batch: list[Sequence]) -> torch.Tensor:
         n = len(batch)
         pos = torch.tensor([s.kv_len for s in batch])
         if not self._holds(batch) or int(pos.max()) >= self._cap:
@@ -260,12 +272,14 @@ class LeanForward:
 
 
 def _use_onednn(dtype: torch.dtype) -> bool:
-    """Where gemv.c is not built, a decode step's fp32 matmuls go through oneDNN: over SmolLM2's 120 layer
+    """fp32 matmuls that gemv.c does not take go through oneDNN where their shapes are few: a decode step's
+    (its batch size is at most max_running_requests) and up to MAX_ROWS rows. Over SmolLM2's 120 layer
     matrices at one row, out of cache, MKL's fp32 path (F.linear's) read the weights at 17.6 GB/s on the
-    2-core AMD EPYC the benchmarks ran on, oneDNN at 28-31. Only those (at most MAX_ROWS distinct row counts):
-    oneDNN builds and keeps a primitive per shape, and prompts of every length through it grew an engine's
-    memory for minutes (soak, 2 engines: +40 MB in 75 s and still growing; with F.linear flat after 15 s).
-    bf16 stays on F.linear (oneDNN's bf16 is no faster on the plain layout)."""
+    2-core AMD EPYC the benchmarks ran on, oneDNN at 28-31; at 32 rows SmolLM2 decoded 301 tok/s on F.linear,
+    508-595 on oneDNN. Not a prompt's: oneDNN builds and keeps a primitive per shape, and prompts of every
+    length through it grew an engine's memory for minutes (soak, 2 engines: +40 MB in 75 s and still
+    growing; with F.linear flat after 15 s). bf16 stays on F.linear (oneDNN's bf16 is no faster on the plain
+    layout)."""
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
