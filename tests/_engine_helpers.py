@@ -14,14 +14,25 @@ from slime_server.utils.procs import kill_group, python_module_cmd, spawn
 
 @contextlib.contextmanager
 def engine_process(model_path: Path, log_dir: Path, *extra: str) -> Iterator[str]:
-    """``python -m slime_server.rollout.engine_server`` on a free port; yields its URL."""
-    port = find_free_port()
-    cmd = python_module_cmd("slime_server.rollout.engine_server", "--model-path", str(model_path),
-                            "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1", *extra)
-    proc = spawn(cmd, env={"OMP_NUM_THREADS": "1"}, log_path=str(log_dir / f"engine-{port}.log"))
-    url = f"http://127.0.0.1:{port}"
+    """``python -m slime_server.rollout.engine_server`` on a free port; yields its URL. The port is free when
+    picked but another test's process may bind it first (CI saw uvicorn exit 3, address already in use): then
+    a new port, up to three tries."""
+    for attempt in range(3):
+        port = find_free_port()
+        cmd = python_module_cmd("slime_server.rollout.engine_server", "--model-path", str(model_path),
+                                "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1", *extra)
+        log = log_dir / f"engine-{port}.log"
+        proc = spawn(cmd, env={"OMP_NUM_THREADS": "1"}, log_path=str(log))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http_ok(f"{url}/health", timeout=120, proc=proc)
+        except RuntimeError:
+            kill_group(proc)
+            if attempt < 2 and "address already in use" in log.read_text(errors="replace"):
+                continue
+            raise
+        break
     try:
-        wait_http_ok(f"{url}/health", timeout=120, proc=proc)
         yield url
     finally:
         kill_group(proc)
