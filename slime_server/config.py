@@ -151,7 +151,10 @@ class TrainerSettings(_Section):
                            "a step trains and pushes (decoupled by default)")
     torch_threads: int = Field(1, ge=1)
     max_tokens_per_micro_batch: int = Field(
-        2048, gt=0, description="packed micro-batch budget; CPU attention costs grow with its square")
+        2048, gt=0, description="packed micro-batch budget (the forward's rows); CPU attention costs grow with "
+        "its square")
+    share_prefixes: bool = Field(True, description="compute the prefixes that samples share (a group's prompt, "
+                                 "the system prompt) once per micro-batch: a token tree, exact up to rounding")
     work_dir: str = Field("slime_server_jobs", description="checkpoints and TensorBoard runs, one dir per job")
     megatron_args: dict[str, Any] = Field(
         default_factory=dict, description="Megatron TransformerConfig overrides (from --megatron-key value flags)")

@@ -15,17 +15,29 @@ import torch
 WORKER = Path(__file__).with_name("_trainer_worker.py")
 
 
-def make_batch(vocab_size: int, n: int = 6, seed: int = 0, min_len: int = 12, max_len: int = 40) -> list[Any]:
+def make_batch(vocab_size: int, n: int = 6, seed: int = 0, min_len: int = 12, max_len: int = 40,
+               shared: bool = False) -> list[Any]:
     """``n`` samples of random length: a prompt (mask 0) then a response (mask 1) with advantages
-    of both signs and rollout log-probs near (but not equal to) a plausible value."""
+    of both signs and rollout log-probs near (but not equal to) a plausible value. ``shared``: as a
+    job's GRPO batch, every sample starts with the same 4 tokens (a system prompt) and the two samples
+    of a group share their whole prompt."""
     from slime_server.trainer.types import TrainSample
 
     rng = random.Random(seed)
     samples = []
+    system = [rng.randrange(vocab_size) for _ in range(4)]
+    group_prompt: list[int] = []
     for i in range(n):
         length = rng.randint(min_len, max_len)
         prompt = rng.randint(3, length // 2)
         tokens = [rng.randrange(vocab_size) for _ in range(length)]
+        if shared:
+            if i % 2 == 0:
+                prompt = max(prompt, 6)
+                group_prompt = system + tokens[4:prompt]
+            prompt = len(group_prompt)
+            tokens = group_prompt + [rng.randrange(vocab_size) for _ in range(max(length - prompt, 3))]
+            length = len(tokens)
         mask = [0] * prompt + [1] * (length - prompt)
         adv = rng.uniform(-1.5, 1.5)
         samples.append(TrainSample(

@@ -121,3 +121,55 @@ def test_global_weights_by_hand() -> None:
     assert only_second.advantages.tolist() == [0.0] * 4  # no advantages yet (e.g. scoring only)
     with pytest.raises(ValueError, match="subset"):
         pack_samples(samples, 100, subset=[0, 0])
+
+
+def _sharing_batch(seed: int, n: int) -> list[TrainSample]:
+    """Samples built from a few common stems (so prefixes are shared at several depths), some duplicated."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(6) for _ in range(rng.randint(1, 8))] for _ in range(3)]
+    out = []
+    for i in range(n):
+        tokens = list(rng.choice(stems)) + [rng.randrange(6) for _ in range(rng.randint(1, 10))]
+        if i and rng.random() < 0.2:
+            tokens = list(out[-1].tokens)
+        mask = [0] + [rng.randint(0, 1) for _ in tokens[1:]]
+        out.append(TrainSample(tokens=tokens, loss_mask=mask, rollout_logprobs=[-1.0 * m for m in mask],
+                               weight_versions=[0 if m else -1 for m in mask], advantages=[1.0 * m for m in mask]))
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 14), st.integers(1, 60))
+def test_shared_prefix_layout_is_each_samples_causal_row(seed: int, n: int, budget: int) -> None:
+    """Every sample once; a micro-batch's tree has at most the budget's rows (or one sample); expanded, the
+    tree's tokens and positions are each sample's own; a row attends exactly to the rows of its own prefix."""
+    from slime_server.trainer.prefix_tree import tree_rows
+
+    samples = _sharing_batch(seed, n)
+    mbs = pack_samples(samples, budget, share_prefixes=True)
+    assert sorted(i for mb in mbs for i in mb.sample_indices) == list(range(n))
+    for mb in mbs:
+        seqs = [samples[i].tokens for i in mb.sample_indices]
+        assert mb.num_rows == (tree_rows(seqs) if mb.tree is not None else mb.num_tokens)
+        assert mb.num_rows <= budget or len(mb.sample_indices) == 1
+        assert mb.tokens.tolist() == [t for s in seqs for t in s]
+        tokens, positions, mask = mb.model_inputs()
+        assert mb.expand(tokens).tolist() == mb.tokens.tolist()
+        assert mb.expand(positions).tolist() == mb.position_ids.tolist()
+        if mb.tree is None:
+            assert mask is None
+            continue
+        rows_of = split_packed(mb.tree.index, mb.sample_lens)
+        allowed = ~mask[0, 0]
+        for r in range(mb.num_rows):  # the rows a row may see: those before it on any sample's path through it
+            seen = {int(x) for path in rows_of for k, x in enumerate(path) if r in path[k:].tolist()}
+            assert set(torch.nonzero(allowed[r]).flatten().tolist()) == seen
+
+
+def test_share_prefixes_keeps_the_plain_packing_when_nothing_is_shared() -> None:
+    samples = _batch([5, 7, 3, 9], seed=3)
+    samples = [s.model_copy(update={"tokens": [1000 + i] + s.tokens[1:]}) for i, s in enumerate(samples)]
+    plain = pack_samples(samples, 12)
+    shared = pack_samples(samples, 12, share_prefixes=True)
+    assert [mb.sample_indices for mb in shared] == [mb.sample_indices for mb in plain]
+    assert all(mb.tree is None for mb in shared)

@@ -169,3 +169,47 @@ def test_bad_settings_and_batches_are_rejected(parallel_world: None, tiny_model_
         TrainStepSettings(temperature=0.0)
     with pytest.raises(ValueError, match="at least one sample"):
         train_step(_bundle(tiny_model_path), [], TrainStepSettings())
+
+
+@pytest.mark.parametrize("budget", [4096, 48])
+def test_shared_prefixes_train_as_separate_rows(parallel_world: None, tiny_model_path: Path, budget: int) -> None:
+    """The token tree (each shared prefix computed once) gives the loss, metrics, gradients and log-probs of
+    the plain packed rows: one micro-batch holding every sample, and a budget that cuts the groups apart."""
+    from transformers import AutoConfig
+
+    from slime_server.trainer.optimizer import zero_grads
+    from slime_server.trainer.packing import pack_samples
+    from slime_server.trainer.prefix_tree import tree_rows
+    from slime_server.trainer.settings import LossConfig
+    from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, forward_backward
+
+    vocab = AutoConfig.from_pretrained(tiny_model_path).vocab_size
+    samples = make_batch(vocab_size=vocab, n=6, seed=5, shared=True)
+    samples.append(samples[1].model_copy())  # a duplicate: no row of its own
+    mbs = pack_samples(samples, budget, share_prefixes=True)
+    assert sum(mb.tree is not None for mb in mbs) >= (1 if budget == 4096 else 2)
+    if budget == 4096:  # the system prompt once, each group's prompt once, the duplicate nowhere
+        rows = sum(len(s.tokens) for s in samples[:-1]) - 4 * 5 - sum(s.loss_mask.count(0) - 4 for s in samples[1:6:2])
+        assert mbs[0].num_rows == tree_rows([s.tokens for s in samples]) == rows
+    loss_cfg = LossConfig(loss_type="grpo", use_tis=True, entropy_coef=0.01, kl_coef=0.05)
+    gen = torch.Generator().manual_seed(0)
+    bundle = _bundle(tiny_model_path)
+    plain = compute_logprobs(bundle.model, samples, max_tokens_per_micro_batch=budget, share_prefixes=False)
+    shared = compute_logprobs(bundle.model, samples, max_tokens_per_micro_batch=budget, share_prefixes=True)
+    for a, b in zip(plain, shared, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    old = [lp + 0.3 * torch.randn(lp.shape, generator=gen) for lp in plain]
+    ref = [lp + 0.1 * torch.randn(lp.shape, generator=gen) for lp in plain]
+    results = {}
+    for share in (False, True):
+        zero_grads(bundle)
+        metrics = forward_backward(bundle, samples, TrainStepSettings(
+            max_tokens_per_micro_batch=budget, loss=loss_cfg, share_prefixes=share), old_logprobs=old, ref_logprobs=ref)
+        results[share] = (metrics, _grads(bundle))
+    (m_plain, g_plain), (m_shared, g_shared) = results[False], results[True]
+    assert 0 < m_shared["clip_fraction"] < 1 and m_shared["kl"] > 0
+    for key in ("loss", "pg_loss", "kl", "entropy", "clip_fraction"):
+        assert m_shared[key] == pytest.approx(m_plain[key], abs=1e-5, rel=0), key
+    assert any(g.abs().max() > 0 for g in g_plain.values())
+    for name, g in g_shared.items():
+        torch.testing.assert_close(g, g_plain[name], atol=1e-5, rtol=0, msg=name)

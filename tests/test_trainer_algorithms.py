@@ -44,10 +44,10 @@ def fresh_world() -> Iterator[None]:
     destroy_parallel()
 
 
-def batch(model_path: Path, n: int = 4, seed: int = 0) -> list:
+def batch(model_path: Path, n: int = 4, seed: int = 0, shared: bool = False) -> list:
     from transformers import AutoConfig
 
-    return make_batch(AutoConfig.from_pretrained(model_path).vocab_size, n=n, seed=seed)
+    return make_batch(AutoConfig.from_pretrained(model_path).vocab_size, n=n, seed=seed, shared=shared)
 
 
 def mean_abs_diff(a: list[list[float]], b: list[list[float]], samples: list) -> float:
@@ -120,7 +120,7 @@ def test_the_critic_learns_the_returns_and_checkpoints_with_the_policy(tiny_mode
     explained variance of the values rises as it trains on fixed GAE returns; a checkpoint restores it."""
     from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
     from slime_server.trainer.advantages import AdvantageConfig, ppo_advantages
-    from slime_server.trainer.critic import explained_variance
+    from slime_server.trainer.critic import compute_values, explained_variance
     from slime_server.trainer.settings import CriticSettings, OptimizerSettings
     from slime_server.utils.net import find_free_port
 
@@ -143,6 +143,12 @@ def test_the_critic_learns_the_returns_and_checkpoints_with_the_policy(tiny_mode
         losses.append(rank.train_critic(targets, values)["value_loss"])
     assert losses[-1] < 0.5 * losses[0], losses
     assert ev[-1] > ev[1] and ev[-1] > 0.3, ev
+    # the token tree's values are the plain rows' (a batch whose samples share prefixes)
+    shared = batch(tiny_model_path, n=6, seed=7, shared=True)
+    plain_v, tree_v = (compute_values(rank.critic.model, shared, share_prefixes=f) for f in (False, True))
+    assert any(float(v.abs().max()) > 1e-3 for v in plain_v)
+    for a, b in zip(plain_v, tree_v, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
     path = rank.save_checkpoint(str(tmp_path / "ckpt"))
     trained = rank.compute_values(samples)
     rank.train_critic(targets, trained)

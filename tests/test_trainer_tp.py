@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from slime_server.trainer.packing import pack_samples
 from tests._megatron_helpers import make_config, save_random_hf_model
 from tests._trainer_helpers import load_result, make_batch, run_plan, write_inputs
 
@@ -32,7 +33,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         train=TrainStepSettings(max_tokens_per_micro_batch=64, temperature=0.9,
                                 loss=LossConfig(loss_type="grpo", entropy_coef=0.01)),
     )
-    samples = make_batch(vocab_size=101, n=6, seed=1)
+    samples = make_batch(vocab_size=101, n=6, seed=1, shared=True)  # the token tree on every layout
+    assert sum(mb.tree is not None for mb in pack_samples(samples, 64, share_prefixes=True)) >= 2
     out: dict[str, Any] = {"settings": settings.model_dump(), "samples": samples}
     # tied embeddings across stages (the last stage's output layer is the first stage's embedding: its
     # gradient is summed over both), two layers per stage

@@ -9,6 +9,11 @@ cross-check of the whole Megatron path against an independent implementation).
 
     python tools/bench_trainer.py [--model HF_DIR] [--batch 8] [--seq-len 128] [--steps 6]
 
+``--prefixes``: instead, the Megatron step with and without shared prefixes computed once
+(``trainer/prefix_tree.py``) on a GRPO-shaped batch: ``--group`` samples per prompt, every prompt starting
+with the same ``--system`` tokens; the rows each computes, the median step times and their ratio, and both
+first losses and gradient norms (which must agree).
+
 ``--algorithms``: instead, one step of the policy alone vs one PPO step with a KL reference and a critic
 (reference log-probs in the step, values, the critic's step) on the same batch, and the parameter memory
 of each model: the cost of ``loss.kl_coef`` and ``algorithm: ppo``.
@@ -47,6 +52,27 @@ def make_samples(vocab: int, batch: int, seq_len: int, seed: int, pad_id: int | 
             weight_versions=[0 if m else -1 for m in mask], advantages=[adv * m for m in mask],
             sample_id=str(i),
         ))
+    return out
+
+
+def make_grouped_samples(vocab: int, batch: int, group: int, system: int, prompt: int, response: int,
+                         seed: int) -> list[Any]:
+    """A GRPO batch's shape: groups of ``group`` samples answering one prompt, all prompts opening with the same
+    ``system`` tokens (a system prompt and tools), ``prompt`` more per group, ``response`` generated tokens."""
+    from slime_server.trainer.types import TrainSample
+
+    rng = random.Random(seed)
+    head = [rng.randrange(vocab) for _ in range(system)]
+    out = []
+    for i in range(batch):
+        if i % group == 0:
+            ask = head + [rng.randrange(vocab) for _ in range(prompt)]
+        adv = rng.choice([-1.0, 1.0])
+        mask = [0] * len(ask) + [1] * response
+        out.append(TrainSample(
+            tokens=ask + [rng.randrange(vocab) for _ in range(response)], loss_mask=mask,
+            rollout_logprobs=[-3.0 * m for m in mask], reward=adv, group_id=f"g{i // group}",
+            weight_versions=[0 if m else -1 for m in mask], advantages=[adv * m for m in mask], sample_id=str(i)))
     return out
 
 
@@ -126,6 +152,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--algorithms", action="store_true", help="policy alone vs policy + KL reference + critic")
+    ap.add_argument("--prefixes", action="store_true", help="the step with vs without shared prefixes once")
+    ap.add_argument("--group", type=int, default=8, help="--prefixes: samples per prompt")
+    ap.add_argument("--system", type=int, default=150, help="--prefixes: tokens every prompt starts with")
+    ap.add_argument("--prompt", type=int, default=40, help="--prefixes: more prompt tokens per group")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = str(args.model or ensure_tiny_model())
@@ -135,7 +165,13 @@ def main() -> None:
     hf_config = AutoConfig.from_pretrained(model_dir)
     vocab = hf_config.vocab_size
     settings = TrainStepSettings(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-                                 loss=LossConfig(loss_type="grpo"))
+                                 loss=LossConfig(loss_type="grpo"), share_prefixes=False)  # HF's packing
+    if args.prefixes:
+        grouped = make_grouped_samples(vocab, args.batch, args.group, args.system, args.prompt, args.seq_len, seed=0)
+        print(json.dumps({"model": model_dir, "batch": args.batch, "group": args.group, "system": args.system,
+                          "prompt": args.prompt, "response": args.seq_len, "threads": args.threads,
+                          **bench_prefixes(model_dir, args, settings, grouped)}))
+        return
     samples = make_samples(vocab, args.batch, args.seq_len, seed=0, pad_id=getattr(hf_config, "pad_token_id", None))
     if args.algorithms:
         print(json.dumps({"model": model_dir, "batch": args.batch, "seq_len": args.seq_len,
@@ -161,6 +197,28 @@ def main() -> None:
         "first_loss": {k: v[0] for k, v in first.items()}, "first_grad_norm": {k: v[1] for k, v in first.items()},
     }
     print(json.dumps(report))
+
+
+def bench_prefixes(model_dir: str, args: argparse.Namespace, settings: Any, samples: list[Any]) -> dict[str, Any]:
+    """Median Megatron step time with the plain packed rows vs the token tree, interleaved, same weights."""
+    from slime_server.trainer.packing import pack_samples
+
+    variants = {"plain": settings, "shared": settings.model_copy(update={"share_prefixes": True})}
+    steps = {name: megatron_trainer(model_dir, args, s) for name, s in variants.items()}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    first: dict[str, tuple[float, float]] = {}
+    for i in range(args.warmup + args.steps):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            first.setdefault(name, step(samples))
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = {k: sum(mb.num_rows for mb in pack_samples(samples, s.max_tokens_per_micro_batch,
+                                                      share_prefixes=s.share_prefixes)) for k, s in variants.items()}
+    return {"rows": rows, "step_s": {k: round(v, 4) for k, v in med.items()},
+            "speedup": round(med["plain"] / med["shared"], 2),
+            "first_loss": {k: v[0] for k, v in first.items()}, "first_grad_norm": {k: v[1] for k, v in first.items()}}
 
 
 def bench_algorithms(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:

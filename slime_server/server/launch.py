@@ -289,7 +289,7 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
         torch_threads=trainer.torch_threads,
         train=TrainStepSettings(temperature=temperature, loss=LossConfig(**loss),
                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch
-                                or trainer.max_tokens_per_micro_batch),
+                                or trainer.max_tokens_per_micro_batch, share_prefixes=trainer.share_prefixes),
         megatron_args=trainer.megatron_args, engine_api_key=engine_api_key, weight_sync=trainer.weight_sync,
         reference=reference, reference_path=reference_path, critic=critic)
     group = TrainerGroup(rank_settings, trainer.num_ranks,

@@ -174,14 +174,16 @@ class TrainerRank:
 
     def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """The critic's per-token values (aligned to the tokens), as plain lists."""
-        return [v.tolist() for v in compute_values(self._critic().model, samples,
-                                                   self.settings.train.max_tokens_per_micro_batch)]
+        train = self.settings.train
+        return [v.tolist() for v in compute_values(self._critic().model, samples, train.max_tokens_per_micro_batch,
+                                                   train.share_prefixes)]
 
     def train_critic(self, samples: Sequence[TrainSample], old_values: Sequence[Sequence[float]]) -> dict[str, float]:
         """One critic optimizer step towards the samples' ``returns`` (clipped around ``old_values``)."""
         assert self.settings.critic is not None
         return critic_step(self._critic(), samples, [torch.tensor(v, dtype=torch.float32) for v in old_values],
-                           self.settings.critic, self.settings.train.max_tokens_per_micro_batch)
+                           self.settings.critic, self.settings.train.max_tokens_per_micro_batch,
+                           self.settings.train.share_prefixes)
 
     def _critic(self) -> OptimizerBundle:
         if self.critic is None:
@@ -190,7 +192,8 @@ class TrainerRank:
 
     def _logprobs(self, model: torch.nn.Module, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
         return compute_logprobs(model, samples, temperature=self.settings.train.temperature,
-                                max_tokens_per_micro_batch=self.settings.train.max_tokens_per_micro_batch)
+                                max_tokens_per_micro_batch=self.settings.train.max_tokens_per_micro_batch,
+                                share_prefixes=self.settings.train.share_prefixes)
 
     def save_checkpoint(self, path: str) -> str:
         """The policy at ``path``; the critic (if any) beside it at ``path``-critic, written first so a

@@ -20,7 +20,7 @@ from slime_server.trainer.convert import load_hf_checkpoint_into
 from slime_server.trainer.losses import value_loss
 from slime_server.trainer.model import build_gpt_model, forward_logits
 from slime_server.trainer.optimizer import OptimizerBundle, optimizer_step, zero_grads
-from slime_server.trainer.packing import pack_samples, split_packed
+from slime_server.trainer.packing import MicroBatch, pack_samples, split_packed
 from slime_server.trainer.settings import CriticSettings
 from slime_server.trainer.train_step import _dp, _gather_rows, _MetricSums, dp_shard
 from slime_server.trainer.types import TrainSample
@@ -52,23 +52,25 @@ def build_value_model(hf_path: str, *, params_dtype: torch.dtype = torch.float32
     return model
 
 
-def packed_values(model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """Values [T] for one packed row, aligned to the tokens (0 where a sample starts)."""
+def packed_values(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """Values [T] for a micro-batch's packed row, aligned to the tokens (0 where a sample starts)."""
     device = next(model.parameters()).device
-    tokens, position_ids = tokens.to(device), position_ids.to(device)
-    out = forward_logits(model, tokens[None], position_ids[None], gather=False)[0, :, 0].float()
-    return torch.cat([out.new_zeros(1), out[:-1]]).masked_fill(position_ids == 0, 0.0)
+    tokens, position_ids, mask = mb.model_inputs()
+    rows = forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
+                          None if mask is None else mask.to(device), gather=False)[0, :, 0].float()
+    out = mb.expand(rows)
+    return torch.cat([out.new_zeros(1), out[:-1]]).masked_fill(mb.position_ids.to(device) == 0, 0.0)
 
 
 @torch.no_grad()
-def compute_values(model: nn.Module, samples: Sequence[TrainSample], max_tokens_per_micro_batch: int = 8192
-                   ) -> list[torch.Tensor]:
+def compute_values(model: nn.Module, samples: Sequence[TrainSample], max_tokens_per_micro_batch: int = 8192,
+                   share_prefixes: bool = True) -> list[torch.Tensor]:
     was_training = model.training
     model.eval()
     out: list[torch.Tensor | None] = [None] * len(samples)
     try:
-        for mb in pack_samples(list(samples), max_tokens_per_micro_batch):
-            v = packed_values(model, mb.tokens, mb.position_ids)
+        for mb in pack_samples(list(samples), max_tokens_per_micro_batch, share_prefixes=share_prefixes):
+            v = packed_values(model, mb)
             for idx, piece in zip(mb.sample_indices, split_packed(v.cpu(), mb.sample_lens), strict=True):
                 out[idx] = piece
     finally:
@@ -77,7 +79,8 @@ def compute_values(model: nn.Module, samples: Sequence[TrainSample], max_tokens_
 
 
 def critic_step(bundle: OptimizerBundle, samples: Sequence[TrainSample], old_values: Sequence[torch.Tensor],
-                settings: CriticSettings, max_tokens_per_micro_batch: int = 8192) -> dict[str, float]:
+                settings: CriticSettings, max_tokens_per_micro_batch: int = 8192, share_prefixes: bool = True
+                ) -> dict[str, float]:
     """One optimizer step of the critic on ``samples`` (their ``returns``) against ``old_values``."""
     if any(s.returns is None for s in samples):
         raise ValueError("critic training needs samples with returns (GAE)")
@@ -88,8 +91,9 @@ def critic_step(bundle: OptimizerBundle, samples: Sequence[TrainSample], old_val
     device = next(model.parameters()).device
     returns = [torch.tensor(s.returns, dtype=torch.float32) for s in samples]
     sums = _MetricSums()
-    for mb in pack_samples(list(samples), max_tokens_per_micro_batch, subset=dp_shard(samples, dp_rank, dp_size)):
-        values = packed_values(model, mb.tokens, mb.position_ids)
+    for mb in pack_samples(list(samples), max_tokens_per_micro_batch, subset=dp_shard(samples, dp_rank, dp_size),
+                           share_prefixes=share_prefixes):
+        values = packed_values(model, mb)
         loss, metrics = value_loss(values, _gather_rows(old_values, mb, device), _gather_rows(returns, mb, device),
                                    mb.loss_mask.to(device), mb.sample_lens, value_clip=settings.value_clip,
                                    aggregation=settings.aggregation,

@@ -4,6 +4,10 @@ A micro-batch is one row: the samples' tokens concatenated, position ids restart
 sample, and ``cu_seqlens`` marking the boundaries (varlen attention). Its per-token loss weights are
 taken against the WHOLE batch passed in (not just the micro-batch or the ``subset`` packed here), so
 the micro-batch losses of all micro-batches, on all data-parallel ranks, sum to the global loss.
+
+With ``share_prefixes`` the budget counts the rows of the samples' token tree (``prefix_tree``): samples
+with a common prefix (a GRPO group's prompt, a job's system prompt) share its rows in the forward, and the
+micro-batch carries that layout in ``tree``; the per-token tensors stay in the samples' own layout.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slime_server.trainer.losses import loss_token_weights
+from slime_server.trainer.prefix_tree import PrefixTree, build_tree, partition_sharing
 from slime_server.trainer.settings import Aggregation
 from slime_server.trainer.types import TrainSample
 
@@ -32,10 +37,26 @@ class MicroBatch:
     advantages: torch.Tensor  # float32; 0 where the sample has no advantages (e.g. SFT, scoring)
     # aggregation -> per-token weight against the global batch (see losses.loss_token_weights)
     token_weights: dict[Aggregation, torch.Tensor] = field(default_factory=dict)
+    tree: PrefixTree | None = None  # the forward's layout when samples share prefixes (None: the row itself)
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the forward computes (the token tree's when prefixes are shared)."""
+        return self.tree.num_rows if self.tree is not None else self.num_tokens
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tokens [R], position ids [R], a ready attention mask [1, 1, R, R] or None to derive it)."""
+        if self.tree is None:
+            return self.tokens, self.position_ids, None
+        return self.tree.tokens, self.tree.position_ids, self.tree.attention_mask
+
+    def expand(self, rows: torch.Tensor) -> torch.Tensor:
+        """The forward's per-row output [R, ...] in the samples' layout [T, ...]."""
+        return rows if self.tree is None else self.tree.expand(rows)
 
     @property
     def max_seqlen(self) -> int:
@@ -111,16 +132,26 @@ def global_token_weights(samples: Sequence[TrainSample]) -> dict[Aggregation, li
 
 def pack_samples(
     samples: Sequence[TrainSample], max_tokens_per_micro_batch: int, *, subset: Sequence[int] | None = None,
+    share_prefixes: bool = False,
 ) -> list[MicroBatch]:
     """Packed micro-batches of ``samples[subset]`` (default: all), each <= the token budget.
 
     Loss weights are normalised over ALL ``samples`` (the global batch), so pass the global batch
     and this rank's ``subset`` under data parallelism. ``sample_indices`` index into ``samples``.
+    With ``share_prefixes`` the budget is on the forward's rows (each shared prefix once); where no
+    two samples share a token the packing is the plain one.
     """
     chosen = list(range(len(samples))) if subset is None else list(subset)
     if any(not 0 <= i < len(samples) for i in chosen) or len(set(chosen)) != len(chosen):
         raise ValueError("subset must hold distinct indices into samples")
     weights = global_token_weights(samples)
+    if share_prefixes and len({samples[i].tokens[0] for i in chosen}) < len(chosen):
+        groups = partition_sharing([samples[i].tokens for i in chosen], max_tokens_per_micro_batch)
+        mbs = [_pack(samples, [chosen[j] for j in g], weights) for g in groups]
+        for mb in mbs:
+            tree = build_tree([samples[i].tokens for i in mb.sample_indices])
+            mb.tree = tree if tree.num_rows < mb.num_tokens else None
+        return mbs
     groups = partition_by_tokens([len(samples[i].tokens) for i in chosen], max_tokens_per_micro_batch)
     return [_pack(samples, [chosen[j] for j in g], weights) for g in groups]
 

@@ -45,7 +45,8 @@ def run_schedule(model: nn.Module, micro_batches: Sequence[MicroBatch],
                  on_output: Callable[[MicroBatch, torch.Tensor], torch.Tensor], *, forward_only: bool) -> None:
     """Run every micro-batch through the pipeline with Megatron's schedule (1F1B; forward-only for scoring).
 
-    ``on_output(mb, local_logits)`` runs on the last stage with that micro-batch's logits [T, vocab / tp] and
+    ``on_output(mb, local_logits)`` runs on the last stage with that micro-batch's logits [T, vocab / tp] (in the
+    samples' layout: a micro-batch with a token tree runs its R rows through the stages, then expands them) and
     returns the scalar whose gradient the step wants; Megatron divides what the loss function returns by the
     number of micro-batches, so it is multiplied back here: the caller's loss is already normalised over the
     global batch."""
@@ -59,16 +60,18 @@ def run_schedule(model: nn.Module, micro_batches: Sequence[MicroBatch],
 
     def forward_step(data_iterator: Any, stage_model: nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
         mb = next(data_iterator)
-        out = forward_logits(stage_model, mb.tokens[None].to(device), mb.position_ids[None].to(device), gather=False)
+        tokens, position_ids, mask = mb.model_inputs()
+        out = forward_logits(stage_model, tokens[None].to(device), position_ids[None].to(device),
+                             None if mask is None else mask.to(device), gather=False)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            return on_output(mb, output[0]) * n, {}
+            return on_output(mb, mb.expand(output[0])) * n, {}
 
         return out, loss_func
 
     get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model], num_microbatches=n,
-        seq_length=max(len(mb.tokens) for mb in micro_batches), micro_batch_size=1, forward_only=forward_only)
+        seq_length=max(mb.num_rows for mb in micro_batches), micro_batch_size=1, forward_only=forward_only)
 
 
 def from_last_stage(value: Any) -> Any:

@@ -3,7 +3,8 @@
 Flow (every TP/DP rank runs it with the SAME global batch):
   1. this DP rank takes its share of the samples (balanced by tokens);
   2. ``pack_samples`` cuts the share into micro-batches of at most ``max_tokens_per_micro_batch``
-     tokens, each one packed row with position ids restarting per sample;
+     tokens, each one packed row with position ids restarting per sample (with ``share_prefixes``
+     the forward runs over the row's token tree: each prefix that samples share, once);
   3. per micro-batch: Megatron forward -> per-token log-probs of the sampled tokens
      (``logits / temperature``, vocab-parallel log-softmax, no logits gather) -> ``policy_loss``
      -> backward. Loss normalisers are taken over the GLOBAL batch (all DP ranks), so the sum
@@ -38,7 +39,8 @@ from slime_server.trainer.vocab_parallel import vocab_parallel_logprobs
 class TrainStepSettings(BaseModel):
     """How a global batch is cut and scored (loss details live in ``LossConfig``)."""
 
-    max_tokens_per_micro_batch: int = Field(8192, gt=0)
+    max_tokens_per_micro_batch: int = Field(8192, gt=0, description="rows of a micro-batch's forward")
+    share_prefixes: bool = Field(True, description="samples' common prefixes computed once (trainer/prefix_tree.py)")
     temperature: float = Field(1.0, gt=0, description="the rollout sampling temperature")
     loss: LossConfig = Field(default_factory=LossConfig)
 
@@ -62,20 +64,26 @@ def dp_shard(samples: Sequence[TrainSample], dp_rank: int, dp_size: int) -> list
     return [i for i in range(len(samples)) if owner[i] == dp_rank]
 
 
+def micro_batch_logits(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """The local logits shard [T, vocab / tp] of a micro-batch's tokens in the samples' layout (the forward
+    runs over its token tree when it has one: each shared prefix once)."""
+    device = next(model.parameters()).device
+    tokens, position_ids, mask = mb.model_inputs()
+    rows = forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
+                          None if mask is None else mask.to(device), gather=False)[0]
+    return mb.expand(rows)
+
+
 def packed_logprobs(
-    model: nn.Module, tokens: torch.Tensor, position_ids: torch.Tensor, *, temperature: float = 1.0,
-    with_entropy: bool = False,
+    model: nn.Module, mb: MicroBatch, *, temperature: float = 1.0, with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropies) for one packed row ``tokens`` [T] with reset positions.
+    """Per-token log-probs (and entropies) of a micro-batch's packed row [T] (positions reset per sample).
 
     Entry i scores tokens[i] with the logits at i-1; entries where a sample starts
     (``position_ids == 0``) are 0 because nothing in the row predicts them.
     """
-    device = next(model.parameters()).device
-    tokens, position_ids = tokens.to(device), position_ids.to(device)
-    local_logits = forward_logits(model, tokens[None], position_ids[None], gather=False)[0]
-    return logits_logprobs(model, local_logits, tokens, position_ids, temperature=temperature,
-                           with_entropy=with_entropy)
+    return logits_logprobs(model, micro_batch_logits(model, mb), mb.tokens, mb.position_ids,
+                           temperature=temperature, with_entropy=with_entropy)
 
 
 def logits_logprobs(
@@ -99,7 +107,7 @@ def logits_logprobs(
 @torch.no_grad()
 def compute_logprobs(
     model: nn.Module, samples: Sequence[TrainSample], *, temperature: float = 1.0,
-    max_tokens_per_micro_batch: int = 8192,
+    max_tokens_per_micro_batch: int = 8192, share_prefixes: bool = True,
 ) -> list[torch.Tensor]:
     """Log-probs [len(tokens)] per sample under ``model`` (old / reference policy), no grad.
 
@@ -109,7 +117,7 @@ def compute_logprobs(
     was_training = model.training
     model.eval()
     out: list[torch.Tensor | None] = [None] * len(samples)
-    micro_batches = pack_samples(list(samples), max_tokens_per_micro_batch)
+    micro_batches = pack_samples(list(samples), max_tokens_per_micro_batch, share_prefixes=share_prefixes)
 
     def keep(mb: MicroBatch, lp: torch.Tensor) -> None:
         for idx, piece in zip(mb.sample_indices, split_packed(lp.cpu(), mb.sample_lens), strict=True):
@@ -126,7 +134,7 @@ def compute_logprobs(
             out = from_last_stage(out)
         else:
             for mb in micro_batches:
-                keep(mb, packed_logprobs(model, mb.tokens, mb.position_ids, temperature=temperature)[0])
+                keep(mb, packed_logprobs(model, mb, temperature=temperature)[0])
     finally:
         model.train(was_training)
     return [t if t is not None else torch.zeros(0) for t in out]
@@ -205,7 +213,8 @@ def forward_backward(
     if len(samples) < dp_size:
         raise ValueError(f"global batch of {len(samples)} samples cannot feed {dp_size} data-parallel ranks")
     mine = dp_shard(samples, dp_rank, dp_size)
-    micro_batches = pack_samples(list(samples), settings.max_tokens_per_micro_batch, subset=mine)
+    micro_batches = pack_samples(list(samples), settings.max_tokens_per_micro_batch, subset=mine,
+                                 share_prefixes=settings.share_prefixes)
     device = next(model.parameters()).device
     sums = _MetricSums()
     loss_total = torch.zeros((), dtype=torch.float64, device=device)  # NCCL reduces device tensors only
@@ -239,9 +248,7 @@ def forward_backward(
         for mb in micro_batches:
             # Entropy is always computed: it is a cheap by-product of the log-sum-exp and a key metric;
             # it joins the graph only when the loss has an entropy bonus.
-            logprobs, entropy = packed_logprobs(
-                model, mb.tokens, mb.position_ids, temperature=settings.temperature, with_entropy=True,
-            )
+            logprobs, entropy = packed_logprobs(model, mb, temperature=settings.temperature, with_entropy=True)
             micro_batch_loss(mb, logprobs, entropy).backward()
     out: dict[str, float] = {}
     if is_last_stage():  # the stages before it hold no loss: they get the last stage's metrics below
