@@ -183,23 +183,34 @@ def test_partial_rollout_continuation_bodies_pass_sglang_contract() -> None:
     at = api_types()
     bodies: list[dict[str, Any]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    def answer(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         bodies.append(body)
         try:
             at.GenerateRequest.from_json_value(body)
         except at.JsonContractError as e:  # SGLang's http_server: 400 {"error": "<contract message>"}
-            return httpx.Response(400, json={"error": {"message": str(e)}})
+            return 400, {"error": {"message": str(e)}}
         ids = [100 + len(bodies), 200 + len(bodies)]
         if len(bodies) == 1:
             finish = at.FinishAbort(message="paused for a weight update", status_code=None, err_type=None)
         else:
             finish = at.FinishLength(length=body["sampling_params"]["max_new_tokens"])
-        return httpx.Response(200, json=_sglang_answer(at, ids, finish, [("1", 0, len(ids))]))
+        return 200, _sglang_answer(at, ids, finish, [("1", 0, len(ids))])
 
     async def run() -> None:
-        client = EngineClient("http://sglang.invalid")
-        client._http = httpx.AsyncClient(base_url=client.base_url, transport=httpx.MockTransport(handler))
+        from aiohttp import web
+
+        async def generate(request: web.Request) -> web.Response:
+            status, payload = answer(await request.json())
+            return web.json_response(payload, status=status)
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)  # a real HTTP server: the client's own wire path
+        await site.start()
+        port = runner.addresses[0][1]
+        client = EngineClient(f"http://127.0.0.1:{port}")
         params = _openai_params(dict(_OPENAI_CASES[1], n=1))
         try:
             await generate_continuing(client.generate, PROMPT, params, rid="chatcmpl-2",
@@ -207,6 +218,7 @@ def test_partial_rollout_continuation_bodies_pass_sglang_contract() -> None:
                                       return_logprob=True, top_logprobs_num=3)
         finally:
             await client.aclose()
+            await runner.cleanup()
 
     asyncio.run(run())
     assert len(bodies) == 2, bodies
