@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from slime_server.rollout.owned import start_retrying
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group, python_module_cmd, spawn
 
@@ -17,21 +18,20 @@ def engine_process(model_path: Path, log_dir: Path, *extra: str) -> Iterator[str
     """``python -m slime_server.rollout.engine_server`` on a free port; yields its URL. The port is free when
     picked but another test's process may bind it first (CI saw uvicorn exit 3, address already in use): then
     a new port, up to three tries."""
-    for attempt in range(3):
+    started: dict = {}
+
+    def launch() -> None:
         port = find_free_port()
         cmd = python_module_cmd("slime_server.rollout.engine_server", "--model-path", str(model_path),
                                 "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1", *extra)
         log = log_dir / f"engine-{port}.log"
-        proc = spawn(cmd, env={"OMP_NUM_THREADS": "1"}, log_path=str(log))
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_http_ok(f"{url}/health", timeout=120, proc=proc)
-        except RuntimeError:
-            kill_group(proc)
-            if attempt < 2 and "address already in use" in log.read_text(errors="replace"):
-                continue
-            raise
-        break
+        started.update(url=f"http://127.0.0.1:{port}", log=log,
+                       proc=spawn(cmd, env={"OMP_NUM_THREADS": "1"}, log_path=str(log)))
+
+    start_retrying(launch, lambda: wait_http_ok(f"{started['url']}/health", timeout=120, proc=started["proc"]),
+                   lambda: kill_group(started["proc"]),
+                   lambda: "address already in use" in started["log"].read_text(errors="replace"))
+    url, proc = started["url"], started["proc"]
     try:
         yield url
     finally:

@@ -38,9 +38,9 @@ class EngineClient:
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         # the engine key goes with every call (generate, abort, dashboard probes); a client's own
         # Authorization header is never forwarded
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0),
-                                       limits=limits, headers=auth_headers(api_key))
         self._timeout, self._max_connections, self._headers = timeout, max_connections, auth_headers(api_key)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0),
+                                       limits=limits, headers=self._headers)
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from slime_server.rollout.engine_sequence import KV
+from slime_server.utils.sequences import common_prefix
 
 
 @dataclass
@@ -24,14 +25,6 @@ class _Entry:
     def size(self) -> int:
         """Tokens of buffer held (capacity, not length: what the memory costs)."""
         return int(self.kv[0][0].shape[1]) if self.kv else 0
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class PrefixCache:

@@ -18,7 +18,7 @@ from torch import nn
 
 from slime_server.trainer.convert import load_hf_checkpoint_into
 from slime_server.trainer.losses import value_loss
-from slime_server.trainer.model import build_gpt_model, forward_logits
+from slime_server.trainer.model import build_gpt_model, forward_micro_batch
 from slime_server.trainer.optimizer import OptimizerBundle, optimizer_step, zero_grads
 from slime_server.trainer.packing import MicroBatch, pack_samples, split_packed
 from slime_server.trainer.settings import CriticSettings
@@ -54,12 +54,8 @@ def build_value_model(hf_path: str, *, params_dtype: torch.dtype = torch.float32
 
 def packed_values(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     """Values [T] for a micro-batch's packed row, aligned to the tokens (0 where a sample starts)."""
-    device = next(model.parameters()).device
-    tokens, position_ids, mask = mb.model_inputs()
-    rows = forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
-                          None if mask is None else mask.to(device), gather=False)[0, :, 0].float()
-    out = mb.expand(rows)
-    return torch.cat([out.new_zeros(1), out[:-1]]).masked_fill(mb.position_ids.to(device) == 0, 0.0)
+    out = mb.expand(forward_micro_batch(model, mb)[0, :, 0].float())
+    return torch.cat([out.new_zeros(1), out[:-1]]).masked_fill(mb.position_ids.to(out.device) == 0, 0.0)
 
 
 @torch.no_grad()

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from slime_server.trainer.megatron_cpu import apply_cpu_patches, cuda_available
+
+if TYPE_CHECKING:
+    from slime_server.trainer.packing import MicroBatch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -287,3 +290,12 @@ def forward_logits(
     if ps.get_tensor_model_parallel_world_size() > 1:
         out = gather_from_tensor_model_parallel_region(out)
     return out[..., : inner.arch.vocab_size]
+
+
+def forward_micro_batch(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """``forward_logits`` (local shard, ``gather=False``) of a micro-batch's rows [1, R, ...]: its token tree's
+    when it has one (callers ``mb.expand`` the rows into the samples' layout), else its packed row."""
+    device = next(model.parameters()).device
+    tokens, position_ids, mask = mb.model_inputs()
+    return forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
+                          None if mask is None else mask.to(device), gather=False)

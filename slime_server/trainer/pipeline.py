@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from slime_server.trainer.convert import iter_hf_tensors
-from slime_server.trainer.model import forward_logits
+from slime_server.trainer.model import forward_micro_batch
 from slime_server.trainer.packing import MicroBatch
 
 if TYPE_CHECKING:
@@ -56,13 +56,10 @@ def run_schedule(model: nn.Module, micro_batches: Sequence[MicroBatch],
     config = get_model_config(model)
     config.variable_seq_lengths = True  # packed rows have their own lengths: exchange shapes first
     n = len(micro_batches)
-    device = next(model.parameters()).device
 
     def forward_step(data_iterator: Any, stage_model: nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
         mb = next(data_iterator)
-        tokens, position_ids, mask = mb.model_inputs()
-        out = forward_logits(stage_model, tokens[None].to(device), position_ids[None].to(device),
-                             None if mask is None else mask.to(device), gather=False)
+        out = forward_micro_batch(stage_model, mb)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             return on_output(mb, mb.expand(output[0])) * n, {}

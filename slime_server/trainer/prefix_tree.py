@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slime_server.utils.sequences import common_prefix
+
 
 @dataclass
 class PrefixTree:
@@ -38,15 +40,6 @@ class PrefixTree:
     def expand(self, rows: torch.Tensor) -> torch.Tensor:
         """Per-row values (first dimension R) as per-token values of the samples' layout (first dimension T)."""
         return rows.index_select(0, self.index.to(rows.device))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def tree_rows(sequences: Sequence[Sequence[int]]) -> int:

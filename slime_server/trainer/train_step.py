@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 from slime_server.trainer.losses import policy_loss
-from slime_server.trainer.model import forward_logits, unwrap
+from slime_server.trainer.model import forward_micro_batch, unwrap
 from slime_server.trainer.optimizer import OptimizerBundle, optimizer_step, zero_grads
 from slime_server.trainer.packing import MicroBatch, pack_samples, split_packed
 from slime_server.trainer.pipeline import from_last_stage, is_last_stage, pipeline_size, run_schedule
@@ -67,11 +67,7 @@ def dp_shard(samples: Sequence[TrainSample], dp_rank: int, dp_size: int) -> list
 def micro_batch_logits(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     """The local logits shard [T, vocab / tp] of a micro-batch's tokens in the samples' layout (the forward
     runs over its token tree when it has one: each shared prefix once)."""
-    device = next(model.parameters()).device
-    tokens, position_ids, mask = mb.model_inputs()
-    rows = forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
-                          None if mask is None else mask.to(device), gather=False)[0]
-    return mb.expand(rows)
+    return mb.expand(forward_micro_batch(model, mb)[0])
 
 
 def packed_logprobs(
