@@ -335,11 +335,11 @@ class JobManager:
             JOB_DROPPED.labels(job_id, "stale").inc(loop.state.dropped_stale - dropped[0])
             JOB_DROPPED.labels(job_id, "zero_variance").inc(loop.state.dropped_zero_variance - dropped[1])
             JOB_DROPPED.labels(job_id, "incomplete_group").inc(loop.state.dropped_incomplete - dropped[2])
+            loop.stop.set()  # first: the dataset driver plays no more rounds while the trainer shuts down
             try:
                 loop.close()
             except Exception:  # noqa: BLE001
                 log.exception("job %s: trainer shutdown failed", job_id)
-            loop.stop.set()  # the dataset driver (if any) stops with the loop
             if run.driver is not None:
                 run.driver.join(timeout=120)
             run.evaluator.close()
