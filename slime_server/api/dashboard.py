@@ -20,7 +20,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse
 from pydantic import BaseModel, Field
 
-from slime_server.api.deps import Admin, get_gateway
+from slime_server.api.deps import Admin, gateway_of
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.protocol import ErrorResponse
@@ -99,7 +99,7 @@ async def _probe(http: httpx.AsyncClient, url: str, router_healthy: bool | None,
 @api.get("/engines", response_model=EnginesView)
 async def engines(request: Request) -> EnginesView:
     """The router's workers, each probed directly; if the router is down, the deployment's engine list."""
-    gw: Gateway = get_gateway(request)
+    gw: Gateway = gateway_of(request)
     router_url, http = gw.engine.base_url, gw.engine.http
     view = EnginesView(router_url=router_url, router_reachable=False, engines=[])
     workers: list[tuple[str, bool | None, int | None]] = []
@@ -142,7 +142,7 @@ def recent_sessions(store: Any, limit: int) -> list[SessionRow]:
 
 @api.get("/sessions", response_model=SessionList)
 async def sessions(request: Request, limit: Annotated[int, Query(ge=1, le=500)] = 20) -> SessionList:
-    return SessionList(data=await in_thread(recent_sessions, get_gateway(request).store, limit))
+    return SessionList(data=await in_thread(recent_sessions, gateway_of(request).store, limit))
 
 
 class ToolCallInfo(BaseModel):
@@ -163,7 +163,7 @@ class TrajectoryTools(BaseModel):
 @api.get("/sessions/{session_id}/tools", response_model=list[TrajectoryTools])
 async def session_tools(session_id: str, request: Request) -> list[TrajectoryTools]:
     """The tool calls of each turn (the trajectory view has none): the token view marks tool turns."""
-    store = get_gateway(request).store
+    store = gateway_of(request).store
     try:
         trajs = await in_thread(store.get_trajectories, session_id)
     except LookupError as e:
@@ -186,7 +186,7 @@ class DetokenizeResponse(BaseModel):
 @api.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     """Token ids -> one text piece per token, with the served model's tokenizer (for the token view)."""
-    tokenizer = get_gateway(request).renderer.tokenizer
+    tokenizer = gateway_of(request).renderer.tokenizer
 
     def run() -> list[str]:
         return tokenizer.batch_decode([[i] for i in body.ids], skip_special_tokens=False)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
-from slime_server.api.deps import Admin, get_gateway
+from slime_server.api.deps import Admin, gateway_of
 from slime_server.buffer.job_store import EventRow, MetricsRow
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
@@ -29,8 +29,8 @@ router = APIRouter(prefix="/jobs", tags=["jobs"],
                    responses={s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 503)})
 
 
-def get_jobs(request: Request) -> JobManager:
-    gw: Gateway = get_gateway(request)
+async def get_jobs(request: Request) -> JobManager:
+    gw: Gateway = gateway_of(request)
     if gw.jobs is None:
         raise APIError(503, "this server runs without a trainer (serve --no-trainer)", code="no_trainer")
     return gw.jobs
