@@ -93,6 +93,8 @@ class DemoCommand:
         parser.add_argument("--sft-lr", type=float, default=None, help="warm-start SFT peak learning rate (default 1e-3)")
         parser.add_argument("--eval-prompts", type=int, default=None, help="held-out problems per evaluation (default 64)")
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--sft-seed", type=int, default=None,
+                            help="the warm start's SFT batch order (default 0): another seed is another warm start")
         parser.add_argument("--eval-data", action="append", default=[], metavar="NAME=PATH",
                             help="extra JSONL eval set for the calculator environment (repeatable)")
         parser.add_argument("--no-learn", action="store_true",
@@ -110,6 +112,8 @@ class DemoCommand:
             values["sft"]["steps"] = args.sft_steps
         if args.sft_lr is not None:
             values["sft"]["lr"] = args.sft_lr
+        if args.sft_seed is not None:
+            values["sft"]["seed"] = args.sft_seed
         if args.lr is not None:
             values["lr"] = args.lr
         if args.eval_prompts is not None:
