@@ -74,6 +74,12 @@ def bearer_token(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def reads_store(token: str | None) -> bool:
+    """Whether ``authenticate`` reads the store for ``token`` (a minted or a session key's hash): the only case
+    worth a thread; every other token is settled by comparisons in memory."""
+    return token is not None and (parse_key(token) is not None or parse_session_key(token) is not None)
+
+
 def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(hashlib.sha256(a.encode()).digest(), hashlib.sha256(b.encode()).digest())
 

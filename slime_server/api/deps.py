@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from fastapi import Depends, Request
 
-from slime_server.api.auth import SESSION_KEY_PREFIX, authenticate, bearer_token
-from slime_server.buffer.key_store import parse_key
+from slime_server.api.auth import authenticate, bearer_token, reads_store
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.threads import in_thread
@@ -31,9 +30,7 @@ async def get_principal(request: Request) -> Principal:
         return authenticate(token, api_key=gw.settings.api_key, admin_api_key=gw.settings.admin_api_key,
                             session_key_hash=_safe_key_hash(gw), minted_key=gw.keys.lookup if gw.keys else None)
 
-    if token is not None and (parse_key(token) is not None or token.startswith(SESSION_KEY_PREFIX)):
-        return await in_thread(resolve)  # a minted or session key: its hash is read from the store
-    return resolve()
+    return await in_thread(resolve) if reads_store(token) else resolve()
 
 
 async def require_admin(request: Request) -> None:
