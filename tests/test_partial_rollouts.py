@@ -23,6 +23,7 @@ PROMPT = [{"role": "user", "content": "Tell me a long story."}]
 # what the aborts below stop: as long as the tiny model's context allows, so that it is still generating when the
 # abort comes (CI's 400 tokens were done within the test's 0.2 s wait once the CPU engine got faster)
 LONG = 3500
+CONTINUED = 1000  # the continued answers: long enough that the abort lands mid-generation on the fast engine
 
 
 def _engine_url(router: str) -> str:
@@ -54,9 +55,9 @@ def _counter(gw: GatewayProc, name: str) -> float:
 def test_engine_abort_is_continued_and_equals_the_uninterrupted_answer(gateway: GatewayProc,
                                                                         router_url: str) -> None:
     client = openai_client(gateway)
-    kw = dict(model=MODEL, messages=PROMPT, max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, messages=PROMPT, max_tokens=CONTINUED, temperature=0, extra_body={"ignore_eos": True})
     reference = client.chat.completions.create(**kw)
-    assert reference.usage.completion_tokens == 120
+    assert reference.usage.completion_tokens == CONTINUED
     engine = _engine_url(router_url)
     before = _counter(gateway, "slime_partial_rollout_continuations_total")
     result: dict = {}
@@ -69,11 +70,11 @@ def test_engine_abort_is_continued_and_equals_the_uninterrupted_answer(gateway: 
     httpx.post(f"{engine}/continue_generation", json={}, timeout=10).raise_for_status()
     t.join(120)
     r = result["r"]
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 120
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == CONTINUED
     assert r.choices[0].message.content == reference.choices[0].message.content
     assert _counter(gateway, "slime_partial_rollout_continuations_total") >= before + 1
     traj = httpx.get(f"{gateway.base_url}/sessions/partial-1/trajectory", timeout=10).json()
-    assert len(traj) == 1 and sum(traj[0]["loss_mask"]) == 120
+    assert len(traj) == 1 and sum(traj[0]["loss_mask"]) == CONTINUED
     assert all(lp <= 0 for lp, m in zip(traj[0]["rollout_logprobs"], traj[0]["loss_mask"], strict=True) if m)
 
 
@@ -201,7 +202,7 @@ def test_a_streamed_answer_the_engine_aborts_goes_on_as_if_uninterrupted(gateway
     turn is recorded whole (every token with its logprob)."""
     client = openai_client(gateway)
     sid = f"partial-stream-{n}"
-    kw = dict(model=MODEL, messages=PROMPT, max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, messages=PROMPT, max_tokens=CONTINUED, temperature=0, extra_body={"ignore_eos": True})
     reference = client.chat.completions.create(**kw).choices[0].message.content
     engine = _engine_url(router_url)
     before = _counter(gateway, "slime_partial_rollout_continuations_total")
@@ -218,8 +219,8 @@ def test_a_streamed_answer_the_engine_aborts_goes_on_as_if_uninterrupted(gateway
                 for i in range(n)]
     finish = {c.index: c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason}
     assert streamed == [reference] * n  # greedy: every sample is the uninterrupted answer, character for character
-    assert finish == dict.fromkeys(range(n), "length") and chunks[-1].usage.completion_tokens == 300 * n
+    assert finish == dict.fromkeys(range(n), "length") and chunks[-1].usage.completion_tokens == CONTINUED * n
     assert _counter(gateway, "slime_partial_rollout_continuations_total") >= before + 1  # it was aborted, and went on
     traj = httpx.get(f"{gateway.base_url}/sessions/{sid}/trajectory", timeout=10).json()
-    assert sorted(sum(row["loss_mask"]) for row in traj) == [300] * n
+    assert sorted(sum(row["loss_mask"]) for row in traj) == [CONTINUED] * n
     assert all(lp <= 0 for row in traj for lp, m in zip(row["rollout_logprobs"], row["loss_mask"], strict=True) if m)
