@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -25,6 +25,37 @@ from pydantic_settings import (
 
 RouterPolicy = Literal["round_robin", "cache_aware", "random", "power_of_two", "manual"]
 EngineKind = Literal["cpu", "sglang"]
+
+
+def parse_cpu_list(value: Any) -> list[int] | None:
+    """``"0-3,6"``, ``[0, 1, 2]`` or ``None`` -> sorted, distinct core ids (taskset's list syntax)."""
+    if value is None or isinstance(value, list | tuple | set):
+        cpus = None if value is None else [int(c) for c in value]
+    elif isinstance(value, int):
+        cpus = [value]
+    elif isinstance(value, str):
+        cpus = []
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            lo, sep, hi = part.partition("-")
+            if not lo.isdigit() or (sep and not hi.isdigit()):
+                raise ValueError(f"not a core list: {value!r} (expected e.g. '0-3,6')")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if last < first:
+                raise ValueError(f"descending core range {part!r} in {value!r}")
+            cpus.extend(range(first, last + 1))
+    else:
+        raise ValueError(f"not a core list: {value!r}")
+    if cpus is not None:
+        if not cpus:
+            raise ValueError("an empty core list (leave it unset to use every core)")
+        if min(cpus) < 0:
+            raise ValueError(f"negative core id in {value!r}")
+        cpus = sorted(set(cpus))
+    return cpus
+
+
+# engine.cpus / trainer.cpus (utils/affinity.py pins the processes)
+CpuList = Annotated[list[int] | None, BeforeValidator(parse_cpu_list)]
 
 
 class _Section(BaseModel):
@@ -54,6 +85,8 @@ class EngineSettings(_Section):
         default_factory=dict, description='custom Ray resources per engine actor: placement on the nodes started '
         'with them (`ray start --resources \'{"engine_node": 8}\'` and {"engine_node": 1} here)')
     torch_threads: int = Field(1, ge=1, description="torch threads inside each CPU engine process")
+    cpus: CpuList = Field(None, description='engine processes run on these cores ("0-3,6"; default: any): keep '
+                          "them off trainer.cpus, as GPUs keep the two apart")
     cpu_forward: Literal["lean", "hf"] = Field("lean", description="CPU engine: its own forward over the model's "
                                                "parameters (llama/mistral/qwen2/qwen3), or HF's model() (reference)")
     prefix_cache_mb: float = Field(512.0, ge=0, description="CPU engine: MiB of finished generations' K/V kept for "
@@ -150,6 +183,8 @@ class TrainerSettings(_Section):
     colocate: bool = Field(False, description="ranks share the engines' devices: generation pauses while "
                            "a step trains and pushes (decoupled by default)")
     torch_threads: int = Field(1, ge=1)
+    cpus: CpuList = Field(None, description='trainer ranks run on these cores ("4-7"; default: any): keep them off '
+                          "engine.cpus so a train step and generation do not compete for the same cores")
     max_tokens_per_micro_batch: int = Field(
         2048, gt=0, description="packed micro-batch budget (the forward's rows); CPU attention costs grow with "
         "its square")

@@ -15,7 +15,15 @@ from slime_server.utils.procs import kill_group, python_module_cmd, spawn
 
 @contextlib.contextmanager
 def engine_process(model_path: Path, log_dir: Path, *extra: str) -> Iterator[str]:
-    """``python -m slime_server.rollout.engine_server`` on a free port; yields its URL. The port is free when
+    """``python -m slime_server.rollout.engine_server`` on a free port; yields its URL (``engine_process_and_pid``
+    also its pid)."""
+    with engine_process_and_pid(model_path, log_dir, *extra) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def engine_process_and_pid(model_path: Path, log_dir: Path, *extra: str) -> Iterator[tuple[str, int]]:
+    """``python -m slime_server.rollout.engine_server`` on a free port; yields its URL and pid. The port is free when
     picked but another test's process may bind it first (CI saw uvicorn exit 3, address already in use): then
     a new port, up to three tries."""
     started: dict = {}
@@ -33,7 +41,7 @@ def engine_process(model_path: Path, log_dir: Path, *extra: str) -> Iterator[str
                    lambda: "address already in use" in started["log"].read_text(errors="replace"))
     url, proc = started["url"], started["proc"]
     try:
-        yield url
+        yield url, proc.pid
     finally:
         kill_group(proc)
 

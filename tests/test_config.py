@@ -134,3 +134,17 @@ def test_online_settings_from_flags_env_and_yaml(tmp_path: Path, monkeypatch: py
     assert _settings(["gateway", "--router-url", "u", "--model-path", "m", "--online"]).online.enabled
     with pytest.raises(ValidationError, match="excludes online.judge_url"):  # one judge only (the CLI: exit 2)
         _settings(["serve", "--online", "--judge-url", "http://j/v1", "--judge-engine-model", "tiny"])
+
+
+def test_core_lists_for_the_engines_and_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.cpus / trainer.cpus take taskset's list syntax from flags and env, or a YAML list; a bad list is
+    refused with the setting's name, before anything starts."""
+    s = _settings(["serve", "--engine-cpus", "0", "--trainer-cpus", "1-3,5,3"])
+    assert (s.engine.cpus, s.trainer.cpus) == ([0], [1, 2, 3, 5])
+    assert load_settings().engine.cpus is None  # default: any core
+    monkeypatch.setenv("SLIME_TRAINER__CPUS", "2-3")
+    assert load_settings().trainer.cpus == [2, 3]
+    assert load_settings(None, {"engine": {"cpus": [4, 0]}}).engine.cpus == [0, 4]
+    for bad in ("3-1", "a", "0,,-1", ""):
+        with pytest.raises(ValidationError, match="cpus"):
+            _settings(["serve", "--engine-cpus", bad])

@@ -7,12 +7,14 @@ the DDP gradient scaling give the same update as one process seeing the whole ba
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
 
 from slime_server.trainer.packing import pack_samples
+from slime_server.utils.affinity import thread_affinities
 from tests._megatron_helpers import make_config, save_random_hf_model
 from tests._trainer_helpers import load_result, make_batch, run_plan, write_inputs
 
@@ -118,18 +120,21 @@ def test_parallel_run_matches_single_process(runs: dict[str, dict], name: str) -
 @pytest.mark.parametrize("split", ["tp_size", "pp_size"])
 def test_ray_trainer_group_of_two(runs: dict[str, dict], split: str) -> None:
     """The same TP=2 (or PP=2) job as Ray actors: HF weights round-trip exactly (every stage's, for PP), and one
-    step matches the run above."""
+    step matches the run above. The ranks are pinned to one core (trainer.cpus): every thread of each runs there."""
     import ray
 
     from slime_server.trainer.actor import TrainerGroup, TrainerRankSettings
     from slime_server.trainer.convert import read_hf_state_dict
 
-    settings = TrainerRankSettings.model_validate(runs["settings"]).model_copy(update={split: 2})
+    core = max(os.sched_getaffinity(0))
+    settings = TrainerRankSettings.model_validate(runs["settings"]).model_copy(update={split: 2, "cpus": [core]})
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a stale cluster
     try:
         group = TrainerGroup(settings, world_size=2)
         layouts = group.setup()
         assert sorted(lay[split.replace("size", "rank")] for lay in layouts) == [0, 1]
+        for pid in group.pids():
+            assert set(map(frozenset, thread_affinities(pid).values())) == {frozenset({core})}, pid
         exported = group.hf_state_dict()
         original = read_hf_state_dict(settings.hf_path)
         assert exported.keys() == original.keys()

@@ -22,6 +22,7 @@ from slime_server.config import EngineKind, EngineSettings
 from slime_server.rollout.engine_auth import KEY_ENV, check_exposure
 from slime_server.rollout.owned import spawn_owned, start_retrying
 from slime_server.rollout.sglang_launcher import build_sglang_command
+from slime_server.utils.affinity import format_cpu_list
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group
 
@@ -37,6 +38,7 @@ class EngineSpec(BaseModel):
     insecure: bool = Field(False, description="allow a non-loopback host with no key (--insecure-engines)")
     max_running_requests: int = 32
     torch_threads: int = 1
+    cpus: list[int] | None = Field(None, description="cores the engine process runs on (None: any)")
     cpu_forward: Literal["lean", "hf"] = "lean"
     prefix_cache_mb: float = 512.0
     sglang_args: dict[str, Any] = Field(default_factory=dict)
@@ -66,13 +68,16 @@ def engine_command(spec: EngineSpec, port: int) -> list[str]:
     if spec.kind == "sglang":
         engine = EngineSettings(kind="sglang", host=spec.host, max_running_requests=spec.max_running_requests,
                                 sglang_args=spec.sglang_args)
-        return build_sglang_command(engine, spec.model_path, port, api_key=spec.api_key)
+        cmd = build_sglang_command(engine, spec.model_path, port, api_key=spec.api_key)
+        # SGLang has no core option: taskset pins it before it starts a thread (the CPU engine pins itself)
+        return ["taskset", "-c", format_cpu_list(spec.cpus), *cmd] if spec.cpus else cmd
     return [
         sys.executable, "-m", "slime_server.rollout.engine_server",
         "--model-path", spec.model_path, "--host", spec.host, "--port", str(port),
         "--max-running-requests", str(spec.max_running_requests), "--num-threads", str(spec.torch_threads),
         "--forward", spec.cpu_forward, "--prefix-cache-mb", str(spec.prefix_cache_mb),
         *(["--insecure-engines"] if spec.insecure else []),
+        *(["--cpus", format_cpu_list(spec.cpus)] if spec.cpus else []),
     ]
 
 

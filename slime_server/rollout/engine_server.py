@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from slime_server.config import parse_cpu_list
 from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig
 from slime_server.rollout.engine_auth import KEY_ENV, InsecureEngineError, add_api_keys, check_exposure
 from slime_server.rollout.engine_sequence import Sequence
@@ -37,6 +38,7 @@ from slime_server.rollout.protocol import (
     PauseGenerationReqInput,
     SamplingParams,
 )
+from slime_server.utils.affinity import pin_process
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -288,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-version", default="0")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1)
+    ap.add_argument("--cpus", type=parse_cpu_list, default=None,
+                    help="run on these cores only (taskset's list syntax, e.g. 0-3,6; default: any)")
     ap.add_argument("--prefix-cache-mb", type=float, default=512.0,
                     help="MiB of finished generations' K/V kept for prompts that extend them (0: off)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -315,6 +319,11 @@ def main(argv: list[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    if args.cpus:  # before the engine starts torch's threads, so they inherit it
+        try:
+            pin_process(args.cpus)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     api_key = args.api_key or os.environ.get(KEY_ENV) or None
     try:
         exposed = check_exposure(args.host, api_key or args.admin_api_key, args.insecure_engines)

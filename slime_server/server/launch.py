@@ -177,7 +177,7 @@ class Deployment:
         return EngineSpec(
             kind=engine.kind, model_path=self.model_path, host=engine.host, api_key=self.engine_api_key,
             insecure=engine.insecure,
-            max_running_requests=engine.max_running_requests, torch_threads=engine.torch_threads,
+            max_running_requests=engine.max_running_requests, torch_threads=engine.torch_threads, cpus=engine.cpus,
             cpu_forward=engine.cpu_forward, prefix_cache_mb=engine.prefix_cache_mb, sglang_args=engine.sglang_args, startup_timeout_s=engine.startup_timeout_s,
             health_interval_s=engine.health_interval_s, log_path=log_path_for(self.log_dir, name),
         )
@@ -286,7 +286,7 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
 
     rank_settings = TrainerRankSettings(
         hf_path=model_path, tp_size=trainer.tp_size, pp_size=trainer.pp_size, optimizer=optimizer,
-        torch_threads=trainer.torch_threads,
+        torch_threads=trainer.torch_threads, cpus=trainer.cpus,
         train=TrainStepSettings(temperature=temperature, loss=LossConfig(**loss),
                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch
                                 or trainer.max_tokens_per_micro_batch, share_prefixes=trainer.share_prefixes),

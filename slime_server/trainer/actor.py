@@ -29,6 +29,7 @@ from slime_server.trainer.settings import CriticSettings, OptimizerSettings
 from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
 from slime_server.trainer.types import TrainSample
 from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher, is_push_sender
+from slime_server.utils.affinity import pin_process
 from slime_server.utils.shm import forget_ranks, reap_dead_pids, record_ranks
 from slime_server.weights import SharedStaging, share_in_place
 
@@ -62,6 +63,7 @@ class TrainerRankSettings(BaseModel):
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     train: TrainStepSettings = Field(default_factory=TrainStepSettings)
     torch_threads: int = Field(1, ge=1)
+    cpus: list[int] | None = Field(None, description="cores this rank runs on (None: any; TrainerSettings.cpus)")
     megatron_args: dict[str, Any] = Field(default_factory=dict, description="TransformerConfig overrides")
     engine_api_key: str | None = Field(None, description="the engines' key (SGLang's --api-key) for weight pushes")
     weight_sync: Literal["auto", "tensor", "distributed"] = "auto"
@@ -111,6 +113,8 @@ class TrainerRank:
         """Init torch.distributed + Megatron groups, build the model, load weights, build the optimizer."""
         from transformers import AutoConfig
 
+        if self.settings.cpus:
+            pin_process(self.settings.cpus)
         torch.set_num_threads(self.settings.torch_threads)
         self.rendezvous = rendezvous or self.rendezvous
         if self.rendezvous is not None:
