@@ -1,9 +1,9 @@
 """CPU placement on one host: keep the trainer's ranks and the CPU engines on cores of their own.
 
 On GPUs the trainer and the engines never share a device; on a CPU host they share cores unless told
-otherwise, and each then slows the other (a train step beside generation took 35-50% longer on 2 cores,
-``tools/bench_async.py``). ``engine.cpus`` and ``trainer.cpus`` give each side its cores, as a GPU
-deployment gives each its devices.
+otherwise, and each then slows the other (on 2 cores a train step took 36% longer beside generation sharing
+them, -3% to +10% pinned apart; ``tools/bench_async.py --split``). ``engine.cpus`` and ``trainer.cpus`` give each
+side its cores, as a GPU deployment gives each its devices.
 """
 
 from __future__ import annotations
