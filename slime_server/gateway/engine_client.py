@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from slime_server.gateway.errors import APIError
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.protocol import GenerateOutput
+from slime_server.utils.net import engine_limits
 
 
 class EngineError(APIError):
@@ -35,7 +36,7 @@ class EngineClient:
     def __init__(self, base_url: str, *, timeout: float = 600.0, max_connections: int = 256,
                  api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        limits = engine_limits(max_connections)
         # the engine key goes with every call (generate, abort, dashboard probes); a client's own
         # Authorization header is never forwarded
         self._timeout, self._max_connections, self._headers = timeout, max_connections, auth_headers(api_key)

@@ -39,6 +39,7 @@ from slime_server.rollout.protocol import (
     SamplingParams,
 )
 from slime_server.utils.affinity import pin_process
+from slime_server.utils.net import ENGINE_KEEP_ALIVE_S
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -347,7 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(engine, args.served_model_name, health_timeout_s=args.health_check_timeout,
                      api_key=api_key, admin_api_key=args.admin_api_key)
     app.router.lifespan_context = lifespan
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                timeout_keep_alive=int(ENGINE_KEEP_ALIVE_S))  # as SGLang's (clients expire idle connections first)
 
 
 if __name__ == "__main__":

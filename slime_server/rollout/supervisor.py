@@ -56,6 +56,7 @@ from slime_server.rollout.engine_info import (
     engine_weight_version,
     weight_version_from_response,
 )
+from slime_server.utils.net import engine_limits
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,10 @@ class EngineSupervisor:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         headers = auth_headers(api_key)  # the engines' key (their /model_info needs it)
-        self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0), headers=headers)
+        # probes every few seconds: idle connections must expire before the engine closes them
+        self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0), headers=headers, limits=engine_limits())
         self._health_http = httpx.Client(timeout=httpx.Timeout(health_timeout_s, connect=min(health_timeout_s, 1.0)),
-                                         headers=headers)
+                                         headers=headers, limits=engine_limits())
         self._known_version: str | None = None  # the newest version seen served (survives all engines dying)
         self._ticks = 0
         # health verdicts (under _lock): consecutive failures, when the last passing probe started

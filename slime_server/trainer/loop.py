@@ -60,6 +60,7 @@ from slime_server.trainer.critic import explained_variance
 from slime_server.trainer.selection import Rejection, Selection, select, wait_reason
 from slime_server.trainer.settings import Checkpoint, LoopSettings, LoopState, OPDWeights
 from slime_server.trainer.types import TrainSample
+from slime_server.utils.net import engine_limits
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class EngineControl:
 
     def __init__(self, urls: Callable[[], list[str]], timeout: float = 60.0, api_key: str | None = None) -> None:
         self.urls = urls
-        self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key))
+        self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key), limits=engine_limits())
 
     def _all(self, path: str, body: dict[str, Any] | None = None) -> None:
         for url in self.urls():

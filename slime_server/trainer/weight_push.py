@@ -50,7 +50,7 @@ from slime_server.rollout.protocol import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from slime_server.utils.net import address_towards, is_local_host
+from slime_server.utils.net import address_towards, engine_limits, is_local_host
 from slime_server.weights import (
     DEFAULT_BUCKET_BYTES,
     FLATTENED_BUCKET,
@@ -214,7 +214,8 @@ class WeightPusher:
         self.pause_mode: PauseMode = pause_mode
         self.master_address = master_address or address_towards(hosts[0])
         self.backend = backend
-        self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key))  # SGLang's --api-key
+        self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key),  # SGLang's --api-key
+                                    limits=engine_limits())
         self._pool = ThreadPoolExecutor(max_workers=len(self.engine_urls) + 1, thread_name_prefix="weight-push")
         self._arena = SharedArena(shared=True)
         self._pack_s, self._ref_bytes = 0.0, 0

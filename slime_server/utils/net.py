@@ -9,6 +9,19 @@ import time
 
 import httpx
 
+# SGLang's engines (SGLANG_TIMEOUT_KEEP_ALIVE, default 5 s) and ours (uvicorn's default, 5 s) close a connection
+# idle that long. httpx keeps one idle for 5 s too: a call made just as the server closes it reuses a dead socket
+# and fails with "connection reset by peer" (CI: a weight push's /pause_generation after an eval's 5 s pause).
+# Clients that call engines at intervals drop idle connections well before the server does.
+ENGINE_KEEP_ALIVE_S = 5.0
+CLIENT_KEEPALIVE_EXPIRY_S = 2.0
+
+
+def engine_limits(max_connections: int | None = None) -> httpx.Limits:
+    """Connection limits for a client of SGLang-style servers: idle connections expire before the server's."""
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                        keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
+
 
 def find_free_port(host: str = "127.0.0.1") -> int:
     """Ask the OS for a free TCP port (racy by nature; callers bind promptly)."""
