@@ -24,6 +24,7 @@ import argparse
 import itertools
 import json
 import os
+import random
 import statistics
 import tempfile
 import threading
@@ -80,7 +81,7 @@ def run_mode(mode: str, a: argparse.Namespace, model: str) -> dict[str, Any]:
             sid = f"b-{k}-{i}-{uuid.uuid4().hex[:6]}"
             try:
                 r = client.chat.completions.create(
-                    model=name, max_tokens=a.max_tokens, temperature=1.0, extra_headers={"X-Session-Id": sid},
+                    model=name, max_tokens=answer_length(i, a), temperature=1.0, extra_headers={"X-Session-Id": sid},
                     messages=[{"role": "user", "content": f"Write the number {i * 37 % 1000} in digits."}])
                 rest.post(f"/sessions/{sid}/reward", json={"reward": reward(r.choices[0].message.content or "")})
                 rest.post(f"/sessions/{sid}/close")
@@ -153,6 +154,16 @@ def run_mode(mode: str, a: argparse.Namespace, model: str) -> dict[str, Any]:
             "train_push_share": round(train_s / elapsed, 3)}
 
 
+def answer_length(problem: int, a: argparse.Namespace) -> int:
+    """``--max-tokens``, or with ``--tail`` a Pareto draw (shape ``--tail``, at least half of ``--max-tokens``, at
+    most 8x it), the same for a problem in every mode: answers of agents vary, and a synchronous round waits for its
+    longest one."""
+    if a.tail is None:
+        return a.max_tokens
+    draw = random.Random(problem).paretovariate(a.tail)
+    return max(1, min(8 * a.max_tokens, round(a.max_tokens / 2 * draw)))
+
+
 def _events(c: httpx.Client, job_id: str) -> list[dict[str, Any]]:
     r = c.get(f"/jobs/{job_id}/events", params={"follow": "false"})
     return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
@@ -166,6 +177,8 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--tail", type=float, default=None,
+                    help="answer lengths from a Pareto draw of this shape (e.g. 1.5) around --max-tokens, not fixed")
     ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--metrics-out", default=None, help="write each mode's per-step metrics to DIR/<mode>.json")
