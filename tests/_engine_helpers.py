@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +45,17 @@ def engine_process_and_pid(model_path: Path, log_dir: Path, *extra: str) -> Iter
         yield url, proc.pid
     finally:
         kill_group(proc)
+
+
+def thread_affinities(pid: int) -> dict[int, set[int]]:
+    """Every thread of process ``pid`` -> the cores it may run on (what ``utils/affinity.pin_process`` set)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+        except (ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
+            continue
+    return out
 
 
 def hf_model(path: Path):

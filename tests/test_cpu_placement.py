@@ -14,8 +14,8 @@ import pytest
 
 from slime_server.config import parse_cpu_list
 from slime_server.rollout.actors import EngineSpec, engine_command
-from slime_server.utils.affinity import format_cpu_list, thread_affinities
-from tests._engine_helpers import engine_process_and_pid
+from slime_server.utils.affinity import format_cpu_list
+from tests._engine_helpers import engine_process_and_pid, thread_affinities
 
 
 def test_core_lists_parse_as_taskset_writes_them() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slime_server.trainer.packing import pack_samples
-from slime_server.utils.affinity import thread_affinities
+from tests._engine_helpers import thread_affinities
 from tests._megatron_helpers import make_config, save_random_hf_model
 from tests._trainer_helpers import load_result, make_batch, run_plan, write_inputs
 

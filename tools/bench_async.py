@@ -100,9 +100,9 @@ def run_mode(mode: str, a: argparse.Namespace, model: str) -> dict[str, Any]:
             clients = [(OpenAI(base_url=running.base_url, api_key="none", max_retries=5),
                         httpx.Client(base_url=running.base_url, timeout=600)) for _ in range(a.batch_size)]
             done = 0
-            watch = httpx.Client(base_url=admin.base_url, timeout=httpx.Timeout(10, read=120))
             # the job's step events (sent once a step's push is done), as a client waits for them: no polling
-            with watch.stream("GET", f"/jobs/{job['id']}/events", params={"follow": "true"}) as stream:
+            with httpx.Client(base_url=admin.base_url, timeout=httpx.Timeout(10, read=120)) as watch, \
+                    watch.stream("GET", f"/jobs/{job['id']}/events", params={"follow": "true"}) as stream:
                 lines = stream.iter_lines()
                 while time.monotonic() < stop:
                     players = [threading.Thread(target=episode, args=(k, *clients[k]))
@@ -116,7 +116,6 @@ def run_mode(mode: str, a: argparse.Namespace, model: str) -> dict[str, Any]:
                         ev = json.loads(line[6:]) if line.startswith("data: ") else None
                         if ev is not None and ev["kind"] == "step" and ev["data"]["step"] >= done:
                             break
-            watch.close()
 
         threads = ([threading.Thread(target=rounds)] if mode == "rounds"
                    else [threading.Thread(target=agent, args=(k,)) for k in range(a.agents)])
@@ -211,7 +210,7 @@ def main() -> None:
     for r in results.values():
         print(json.dumps(r))
     asyn = results.get("async")
-    for base in (m for m in modes if m != "async" and asyn is not None):
+    for base in [m for m in modes if m != "async"] if asyn else []:
         ref = results[base]
         ratio = asyn["samples_per_min"] / max(ref["samples_per_min"], 1e-9)
         print(f"async/{base} trained samples per minute: {ratio:.2f}x (goal >= 2.0x); staleness mean {base} "

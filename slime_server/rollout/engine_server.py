@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
                      api_key=api_key, admin_api_key=args.admin_api_key)
     app.router.lifespan_context = lifespan
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                timeout_keep_alive=int(ENGINE_KEEP_ALIVE_S))  # as SGLang's (clients expire idle connections first)
+                timeout_keep_alive=ENGINE_KEEP_ALIVE_S)  # as SGLang's (clients expire idle connections first)
 
 
 if __name__ == "__main__":

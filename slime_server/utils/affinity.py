@@ -34,13 +34,3 @@ def pin_process(cpus: list[int]) -> None:
             raise ValueError(f"cannot run on cores {format_cpu_list(sorted(wanted))}: {e.strerror} (this host has "
                              f"cores 0-{(os.cpu_count() or 1) - 1})") from None
 
-
-def thread_affinities(pid: int) -> dict[int, set[int]]:
-    """Every thread of process ``pid`` -> the cores it may run on (what ``pin_process`` set; Linux)."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            out[int(tid)] = os.sched_getaffinity(int(tid))
-        except (ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
-            continue
-    return out

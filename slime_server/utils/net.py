@@ -13,12 +13,15 @@ import httpx
 # idle that long. httpx keeps one idle for 5 s too: a call made just as the server closes it reuses a dead socket
 # and fails with "connection reset by peer" (CI: a weight push's /pause_generation after an eval's 5 s pause).
 # Clients that call engines at intervals drop idle connections well before the server does.
-ENGINE_KEEP_ALIVE_S = 5.0
+ENGINE_KEEP_ALIVE_S = 5
 CLIENT_KEEPALIVE_EXPIRY_S = 2.0
 
 
 def engine_limits(max_connections: int | None = None) -> httpx.Limits:
-    """Connection limits for a client of SGLang-style servers: idle connections expire before the server's."""
+    """Connection limits for a client of SGLang-style servers: idle connections expire before the server's; the
+    pool holds ``max_connections`` (kept alive too), or httpx's default sizes."""
+    if max_connections is None:
+        return httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
     return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
                         keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
 
