@@ -14,8 +14,8 @@ pytest_plugins = ["tests._gateway_helpers"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Under two xdist workers (`pytest -n 2 --dist loadfile --no-loadscope-reorder`) engines and trainer ranks of both
-# share 2 cores with 2 OpenMP threads each; busy-waiting threads then take the cores from the ones with work.
+# Under xdist workers (`make test`: `pytest -n 3 --dist loadfile --no-loadscope-reorder`) engines and trainer ranks of
+# every worker share 2 cores with 2 OpenMP threads each; busy-waiting threads then take the cores from the ones with work.
 # Measured, two processes of 2 threads each doing 256x256 @ 256x768 matmuls: 37.9 s each by default, 18.6 s with
 # PASSIVE (one alone: 11.1 s, 13.9 s PASSIVE). A serial run (`pytest -q`) keeps OpenMP's default.
 XDIST = "PYTEST_XDIST_WORKER" in os.environ
@@ -68,7 +68,7 @@ def real_model_path() -> Path:
     return fetch_model("smollm2")
 
 
-# Under two xdist workers, a module at a time (--dist loadfile), the modules that took longest (serial run of
+# Under xdist workers, a module at a time (--dist loadfile), the modules that took longest (serial run of
 # 2026-11-25) run first: the suite ends when the later worker ends.
 LONGEST_FIRST = ["test_demo_learning.py", "test_jobs_e2e.py", "test_demo_and_serve.py", "test_trainer_tp.py",
                  "test_real_model.py", "test_online_e2e.py", "test_two_nodes.py", "test_soak.py",
