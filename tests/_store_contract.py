@@ -76,6 +76,32 @@ class StoreContract:
         assert back.turns == traj.turns and back.revision == 1
 
 
+    def test_heads_list_what_the_trajectories_list_and_ids_fetch_them_whole(self, store: TrajectoryStore) -> None:
+        """The loop chooses a batch from heads (generating versions read from the stored bytes) and then reads
+        the chosen whole: both must say what reading every trajectory whole says."""
+        versions = {"a": [3, 5, 4], "b": [-1, 2, -1], "c": [], "d": [7]}  # b: tokens of unknown version
+        ids = {}
+        for name, vs in versions.items():
+            store.create_session(name)
+            t = _traj(name, [-0.5] * len(vs), response_id=f"chatcmpl-{name}")
+            t = t.model_copy(update={"weight_versions": [1] * 3 + vs})  # prompt tokens (mask 0) never count
+            ids[name] = _write(store, t).id
+        store.set_reward("a", reward=1.0, finish=True)
+        store.set_reward("b", reward=0.0, finish=True)
+        store.set_reward("c", reward=0.5)
+        store.mark_consumed([ids["a"]], 3)
+        for filters in ({}, {"status": "finished"}, {"rewarded": True}, {"rewarded": False}, {"unconsumed": True},
+                        {"status": "finished", "rewarded": True, "unconsumed": True}, {"limit": 2}):
+            heads = store.list_heads(**filters)
+            assert heads == [t.head() for t in store.list_trajectories(**filters)], filters
+        assert [h.min_version for h in store.list_heads()] == [3, 2, None, 7]
+        wanted = [ids["d"], ids["a"], ids["c"]]
+        assert [t.id for t in store.get_trajectories_by_id(wanted)] == wanted
+        assert store.get_trajectories_by_id(wanted) == [store.get_trajectory(i) for i in wanted]
+        with pytest.raises(TrajectoryNotFound):
+            store.get_trajectories_by_id([ids["a"], "traj-missing"])
+
+
     def test_optimistic_concurrency_rejects_stale_writes(self, store: TrajectoryStore) -> None:
         store.create_session("s")
         stored = _write(store, _traj("s", [-0.5]))

@@ -12,13 +12,21 @@ from typing import Any
 
 import numpy as np
 
-from slime_server.buffer.schema import NormalizedMessage, Session, SessionForbidden, Trajectory, Turn
+from slime_server.buffer.schema import (
+    NormalizedMessage,
+    Session,
+    SessionForbidden,
+    Trajectory,
+    TrajectoryHead,
+    Turn,
+)
 
 Row = Any
 
 TRAJ_COLUMNS = ("id, session_id, segment, branch, group_id, tokens, loss_mask, rollout_logprobs, "
                 "weight_versions, turns, messages, tools_digest, reward, turn_rewards, status, consumed_step, "
                 "consumed_job, metadata, revision, created_at, updated_at")
+HEAD_COLUMNS = "id, session_id, group_id, reward, updated_at, loss_mask, weight_versions"
 SESSION_COLUMNS = "id, group_id, metadata, status, key_hash, owner, segment_splits, created_at, updated_at"
 
 
@@ -56,6 +64,14 @@ def traj_from_row(row: Row) -> Trajectory:
         status=row["status"], consumed_step=row["consumed_step"], consumed_job=row["consumed_job"],
         metadata=json.loads(row["metadata"]),
         revision=row["revision"], created_at=row["created_at"], updated_at=row["updated_at"])
+
+
+def head_from_row(row: Row) -> TrajectoryHead:
+    """A trajectory's head from its row: the generating versions are read from the arrays' bytes directly."""
+    versions = np.frombuffer(row["weight_versions"], dtype="<i8")
+    generated = versions[(np.frombuffer(row["loss_mask"], dtype="u1") == 1) & (versions >= 0)]
+    return TrajectoryHead(id=row["id"], session_id=row["session_id"], group_id=row["group_id"], reward=row["reward"],
+                          updated_at=row["updated_at"], min_version=int(generated.min()) if generated.size else None)
 
 
 def traj_params(t: Trajectory, revision: int, updated_at: float) -> dict[str, Any]:

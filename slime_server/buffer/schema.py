@@ -186,6 +186,24 @@ class Trajectory(BaseModel):
         first = next((t.output_start for t in self.turns), len(self.tokens))
         return len(self.tokens) - first
 
+    def head(self) -> TrajectoryHead:
+        generated = [v for v, m in zip(self.weight_versions, self.loss_mask, strict=True) if m and v >= 0]
+        return TrajectoryHead(id=self.id, session_id=self.session_id, group_id=self.group_id, reward=self.reward,
+                              updated_at=self.updated_at, min_version=min(generated) if generated else None)
+
+
+class TrajectoryHead(BaseModel):
+    """What choosing a batch reads of a buffered trajectory (``trainer/selection.py``): no token arrays, no
+    messages. Why: the loop looks at the whole unconsumed pool on every poll (5 a second by default) and trains
+    on a few of its members; it reads those whole, by id, once chosen."""
+
+    id: str
+    session_id: str
+    group_id: str | None = None
+    reward: float | None = None
+    updated_at: float
+    min_version: int | None = None  # the oldest policy that generated one of its tokens (None: none generated)
+
 
 class RewardEvent(BaseModel):
     """A reward as it arrived; ``idempotency_key`` is unique across the store."""

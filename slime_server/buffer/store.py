@@ -22,6 +22,7 @@ from slime_server.buffer.schema import (
     StoreStats,
     Thumb,
     Trajectory,
+    TrajectoryHead,
     TrajectoryStatus,
 )
 
@@ -108,6 +109,15 @@ class TrajectoryStore(ABC):
                           unconsumed: bool | None = None, session_id: str | None = None,
                           limit: int = 100, after: str | None = None) -> list[Trajectory]:
         """Trajectories in write order; ``after`` is the id of the last one of the previous page."""
+
+    @abstractmethod
+    def list_heads(self, *, status: TrajectoryStatus | None = None, rewarded: bool | None = None,
+                   unconsumed: bool | None = None, limit: int = 100) -> list[TrajectoryHead]:
+        """What :meth:`list_trajectories` lists with the same filters, as heads (no token arrays, no messages)."""
+
+    @abstractmethod
+    def get_trajectories_by_id(self, trajectory_ids: list[str]) -> list[Trajectory]:
+        """The trajectories, whole, in the order asked; ``TrajectoryNotFound`` if one is unknown."""
 
     def iter_trajectories(self, *, page_size: int = 256, **filters: Any) -> Iterator[Trajectory]:
         """Every trajectory matching ``filters``, paging through :meth:`list_trajectories`."""

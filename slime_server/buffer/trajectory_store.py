@@ -26,8 +26,10 @@ from typing import Any
 
 from slime_server.buffer.migrations import SCHEMA_VERSION, migrated, schema_version
 from slime_server.buffer.rows import (
+    HEAD_COLUMNS,
     SESSION_COLUMNS,
     TRAJ_COLUMNS,
+    head_from_row,
     owned,
     session_from_row,
     traj_from_row,
@@ -49,6 +51,7 @@ from slime_server.buffer.schema import (
     StoreStats,
     Thumb,
     Trajectory,
+    TrajectoryHead,
     TrajectoryNotFound,
     TrajectoryStatus,
     now,
@@ -255,6 +258,21 @@ class SQLTrajectoryStore(TrajectoryStore):
     def list_trajectories(self, *, status: TrajectoryStatus | None = None, rewarded: bool | None = None,
                           unconsumed: bool | None = None, session_id: str | None = None,
                           limit: int = 100, after: str | None = None) -> list[Trajectory]:
+        sql, args = self._listing(TRAJ_COLUMNS, status=status, rewarded=rewarded, unconsumed=unconsumed,
+                                  session_id=session_id, limit=limit, after=after)
+        rows = self._db.read(lambda tx: tx.execute(sql, args).fetchall())
+        return [traj_from_row(r) for r in rows]
+
+    def list_heads(self, *, status: TrajectoryStatus | None = None, rewarded: bool | None = None,
+                   unconsumed: bool | None = None, limit: int = 100) -> list[TrajectoryHead]:
+        sql, args = self._listing(HEAD_COLUMNS, status=status, rewarded=rewarded, unconsumed=unconsumed, limit=limit)
+        rows = self._db.read(lambda tx: tx.execute(sql, args).fetchall())
+        return [head_from_row(r) for r in rows]
+
+    def _listing(self, columns: str, *, status: TrajectoryStatus | None = None, rewarded: bool | None = None,
+                 unconsumed: bool | None = None, session_id: str | None = None, limit: int = 100,
+                 after: str | None = None) -> tuple[str, list[Any]]:
+        """The SELECT of a listing in write order, and its parameters."""
         where: list[str] = []
         args: list[Any] = []
         if status is not None:
@@ -271,13 +289,28 @@ class SQLTrajectoryStore(TrajectoryStore):
             self.get_trajectory(after)  # an unknown cursor is an error, not an empty page
             where.append("seq > (SELECT seq FROM trajectories WHERE id = ?)")
             args.append(after)
-        sql = f"SELECT {TRAJ_COLUMNS} FROM trajectories"
+        sql = f"SELECT {columns} FROM trajectories"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY seq LIMIT ?"
         args.append(max(0, int(limit)))
-        rows = self._db.read(lambda tx: tx.execute(sql, args).fetchall())
-        return [traj_from_row(r) for r in rows]
+        return sql, args
+
+    def get_trajectories_by_id(self, trajectory_ids: list[str]) -> list[Trajectory]:
+        ids = list(dict.fromkeys(trajectory_ids))
+
+        def run(tx: Tx) -> list[Any]:
+            rows: list[Any] = []
+            for i in range(0, len(ids), _CHUNK):
+                chunk = ids[i:i + _CHUNK]
+                rows += tx.execute(f"SELECT {TRAJ_COLUMNS} FROM trajectories WHERE id IN {placeholders(len(chunk))}",
+                                   chunk).fetchall()
+            return rows
+        found = {t.id: t for t in map(traj_from_row, self._db.read(run) if ids else [])}
+        missing = [i for i in ids if i not in found]
+        if missing:
+            raise TrajectoryNotFound(f"trajectories not found: {missing[:5]}")
+        return [found[i] for i in trajectory_ids]
 
     def mark_consumed(self, trajectory_ids: list[str], train_step: int, job_id: str | None = None) -> int:
         ids = list(dict.fromkeys(trajectory_ids))

@@ -265,8 +265,8 @@ class TrainLoop:
         """Whole groups, oldest first, until ``batch_size`` (rules: ``trainer/selection.py``); drops what
         must go, and says why it waits when the batch is not whole."""
         s = self.settings
-        pool = self.store.list_trajectories(status="finished", rewarded=True, unconsumed=True,
-                                            limit=max(4 * s.batch_size, 256))
+        pool = self.store.list_heads(status="finished", rewarded=True, unconsumed=True,
+                                     limit=max(4 * s.batch_size, 256))
         sel = select(pool, batch_size=s.batch_size, group_size=s.n_samples_per_prompt, version=self.state.version,
                      max_staleness=s.max_staleness, stale_policy=s.stale_policy,
                      drop_zero_variance=s.drop_zero_variance_groups, group_timeout_s=s.group_timeout_s,
@@ -293,7 +293,8 @@ class TrainLoop:
             if not chosen:  # no step: the whole batch is dropped (stored, never trained) now
                 self._reject([], rejected)
                 return None
-        return Batch(samples=[to_train_sample(t) for t in chosen], lags=lags, consume=[t.id for t in chosen],
+        whole = self.store.get_trajectories_by_id([t.id for t in chosen])
+        return Batch(samples=[to_train_sample(t) for t in whole], lags=lags, consume=[t.id for t in chosen],
                      rejected=rejected)
 
     def _reject(self, kept: list[str], rejected: list[str]) -> None:
@@ -323,8 +324,8 @@ class TrainLoop:
             return
         self._waiting_at = now
         s = self.settings
-        open_rewarded = {t.session_id for t in self.store.list_trajectories(status="open", rewarded=True,
-                                                                            unconsumed=True, limit=10_000)}
+        open_rewarded = {t.session_id for t in self.store.list_heads(status="open", rewarded=True, unconsumed=True,
+                                                                     limit=10_000)}
         reason = wait_reason(sel, batch_size=s.batch_size, group_size=s.n_samples_per_prompt,
                              open_rewarded_sessions=len(open_rewarded))
         if reason != self.state.waiting:

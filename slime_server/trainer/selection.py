@@ -20,19 +20,18 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from slime_server.buffer.schema import Trajectory
+from slime_server.buffer.schema import Trajectory, TrajectoryHead
 
 
 def min_version(t: Trajectory) -> int | None:
     """Version of the oldest policy that generated a token of ``t`` (None: nothing generated)."""
-    versions = [v for v, m in zip(t.weight_versions, t.loss_mask, strict=True) if m and v >= 0]
-    return min(versions) if versions else None
+    return t.head().min_version
 
 
 class Selection(BaseModel):
     """One pass over the pool: the batch (if whole), what to drop, and counts for the wait reason."""
 
-    chosen: list[Trajectory] = Field(default_factory=list)
+    chosen: list[TrajectoryHead] = Field(default_factory=list)
     lags: list[int] = Field(default_factory=list)
     drop_stale: list[str] = Field(default_factory=list)
     drop_flat: list[str] = Field(default_factory=list)  # zero variance, or nothing generated
@@ -43,11 +42,11 @@ class Selection(BaseModel):
         return len(self.chosen) == batch_size
 
 
-def select(pool: Sequence[Trajectory], *, batch_size: int, group_size: int, version: int,
+def select(pool: Sequence[TrajectoryHead], *, batch_size: int, group_size: int, version: int,
            max_staleness: int | None, stale_policy: str, drop_zero_variance: bool,
            group_timeout_s: float | None, now: float) -> Selection:
     """Apply the rules above to ``pool`` (in buffer order) at policy ``version`` and wall time ``now``."""
-    groups: dict[str, list[Trajectory]] = {}
+    groups: dict[str, list[TrajectoryHead]] = {}
     for t in pool:
         groups.setdefault(t.group_id or t.id, []).append(t)
     out = Selection()
@@ -62,7 +61,7 @@ def select(pool: Sequence[Trajectory], *, batch_size: int, group_size: int, vers
         if len(out.chosen) == batch_size:
             continue  # full: the rest only matter for what must be dropped
         members = members[:group_size]
-        versions = [min_version(t) for t in members]
+        versions = [t.min_version for t in members]
         if any(v is None for v in versions):
             out.drop_flat += [t.id for t in members]
             continue
@@ -104,8 +103,8 @@ class Rejection(BaseModel):
     keep: Literal["all_passing", "best_of_n"] = Field("all_passing", description="all samples that pass, or each "
                                                        "group's best if it passes")
 
-    def keep_ids(self, chosen: Sequence[Trajectory]) -> list[str]:
-        groups: dict[str, list[Trajectory]] = {}
+    def keep_ids(self, chosen: Sequence[TrajectoryHead | Trajectory]) -> list[str]:
+        groups: dict[str, list[TrajectoryHead | Trajectory]] = {}
         for t in chosen:
             groups.setdefault(t.group_id or t.id, []).append(t)
         out: list[str] = []
