@@ -95,6 +95,7 @@ class StoreContract:
             heads = store.list_heads(**filters)
             assert heads == [t.head() for t in store.list_trajectories(**filters)], filters
         assert [h.min_version for h in store.list_heads()] == [3, 2, None, 7]
+        assert store.count_ready() == store.stats().unconsumed_finished_rewarded == 1  # b: a trained, c and d open
         wanted = [ids["d"], ids["a"], ids["c"]]
         assert [t.id for t in store.get_trajectories_by_id(wanted)] == wanted
         assert store.get_trajectories_by_id(wanted) == [store.get_trajectory(i) for i in wanted]

@@ -79,6 +79,9 @@ _RECENT_SESSIONS = (
     "(SELECT t.reward FROM trajectories t WHERE t.session_id = s.id AND t.reward IS NOT NULL "
     "ORDER BY t.seq DESC LIMIT 1) AS reward "
     "FROM sessions s ORDER BY s.created_at DESC, s.id DESC LIMIT ?")
+# buffer pacing's count: status and consumed_step lead the pick index, so only unconsumed finished rows are visited
+READY_COUNT_SQL = ("SELECT COUNT(*) AS n FROM trajectories WHERE status = 'finished' AND consumed_step IS NULL "
+                   "AND reward IS NOT NULL")
 _CHUNK = 500  # ids per IN list: far below both databases' parameter limits
 
 
@@ -432,6 +435,9 @@ class SQLTrajectoryStore(TrajectoryStore):
         rows = self._db.read(lambda tx: tx.execute(_RECENT_SESSIONS, (max(0, int(limit)),)).fetchall())
         return [SessionSummary.model_validate({**dict(r), "metadata": json.loads(r["metadata"] or "{}"),
                                                "num_tokens": int(r["num_tokens"])}) for r in rows]
+
+    def count_ready(self) -> int:
+        return int(self._db.read(lambda tx: tx.execute(READY_COUNT_SQL).fetchone()["n"]))
 
     def stats(self) -> StoreStats:
         def run(tx: Tx) -> StoreStats:

@@ -74,7 +74,9 @@ class Gateway:
         """
         if self.jobs is None or str((metadata or {}).get("serve_only", "")).lower() in ("true", "1", "yes"):
             return
-        retry = await in_thread(self.pacer.retry_after)
+        known, retry = self.pacer.cached()
+        if not known:
+            retry = await in_thread(self.pacer.retry_after)
         if retry is None or (session_id is not None and await in_thread(self._exempt, session_id)):
             return
         raise APIError(429, "the trajectory buffer is full: the trainer is behind; retry later",

@@ -47,7 +47,7 @@ class _Running:
         self.loop, self.thread, self.tb, self.evaluator = loop, thread, tb, evaluator
         self.driver: threading.Thread | None = None
         self.rollout_only: Callable[[], None] | None = None  # train false: the job is this, not the loop
-        self.paced = True  # whether /v1 is paced for it: only a job that consumes the buffer
+        self.pacing: PacingSpec | None = None  # /v1's pacing while it runs: only a job that consumes the buffer
 
 
 class JobManager:
@@ -164,8 +164,8 @@ class JobManager:
     def active_pacing(self) -> PacingSpec | None:
         """The running job's pacing spec (None: no job is training, so nothing is paced)."""
         with self._lock:
-            runs = [jid for jid, r in self._running.items() if not r.loop.stop.is_set() and r.paced]
-        return JobSpec.model_validate(self._row(runs[0]).spec).pacing if runs else None
+            paced = [r.pacing for r in self._running.values() if not r.loop.stop.is_set() and r.pacing is not None]
+        return paced[0] if paced else None  # a job's spec never changes: no store read per request
 
     # ---------------------------------------------------------------- lifecycle
     def restore(self) -> list[str]:
@@ -267,7 +267,7 @@ class JobManager:
         run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb,
                        evaluator)
         # rollout-only and file-fed jobs (SFT conversations, replay) consume nothing from the buffer
-        run.paced = spec.train and spec.data.source in ("live", "dataset")
+        run.pacing = spec.pacing if spec.train and spec.data.source in ("live", "dataset") else None
         if driver is not None and not spec.train:
             run.rollout_only = lambda: driver.run(passes=spec.data.epochs)
         elif driver is not None:
