@@ -96,11 +96,16 @@ class StoreContract:
             assert heads == [t.head() for t in store.list_trajectories(**filters)], filters
         assert [h.min_version for h in store.list_heads()] == [3, 2, None, 7]
         assert store.count_ready() == store.stats().unconsumed_finished_rewarded == 1  # b: a trained, c and d open
+        assert store.count_open_rewarded_sessions() == 1  # c (d is open but unrewarded)
         wanted = [ids["d"], ids["a"], ids["c"]]
         assert [t.id for t in store.get_trajectories_by_id(wanted)] == wanted
         assert store.get_trajectories_by_id(wanted) == [store.get_trajectory(i) for i in wanted]
         with pytest.raises(TrajectoryNotFound):
             store.get_trajectories_by_id([ids["a"], "traj-missing"])
+        _write(store, _traj("c", [-0.5], response_id="chatcmpl-c2", segment=1))  # c's second segment
+        store.set_reward("c", reward=0.25)
+        assert len(store.list_heads(status="open", rewarded=True)) == 2
+        assert store.count_open_rewarded_sessions() == 1  # sessions, not trajectories
 
 
     def test_optimistic_concurrency_rejects_stale_writes(self, store: TrajectoryStore) -> None:

@@ -189,6 +189,10 @@ class TrajectoryStore(ABC):
         """Counts for /metrics and the dashboard."""
 
     @abstractmethod
+    def count_open_rewarded_sessions(self) -> int:
+        """Open sessions with a rewarded, untrained trajectory: what a job waiting for whole groups reports."""
+
+    @abstractmethod
     def count_ready(self) -> int:
         """Finished, rewarded, untrained trajectories: what buffer pacing counts (``stats()``'s
         ``unconsumed_finished_rewarded``, read from the pick index instead of the whole store)."""

@@ -436,6 +436,11 @@ class SQLTrajectoryStore(TrajectoryStore):
         return [SessionSummary.model_validate({**dict(r), "metadata": json.loads(r["metadata"] or "{}"),
                                                "num_tokens": int(r["num_tokens"])}) for r in rows]
 
+    def count_open_rewarded_sessions(self) -> int:
+        return int(self._db.read(lambda tx: tx.execute(
+            "SELECT COUNT(DISTINCT session_id) AS n FROM trajectories WHERE status = 'open' "
+            "AND consumed_step IS NULL AND reward IS NOT NULL").fetchone()["n"]))
+
     def count_ready(self) -> int:
         return int(self._db.read(lambda tx: tx.execute(READY_COUNT_SQL).fetchone()["n"]))
 

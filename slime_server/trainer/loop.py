@@ -324,15 +324,14 @@ class TrainLoop:
             return
         self._waiting_at = now
         s = self.settings
-        open_rewarded = {t.session_id for t in self.store.list_heads(status="open", rewarded=True, unconsumed=True,
-                                                                     limit=10_000)}
+        open_rewarded = self.store.count_open_rewarded_sessions()
         reason = wait_reason(sel, batch_size=s.batch_size, group_size=s.n_samples_per_prompt,
-                             open_rewarded_sessions=len(open_rewarded))
+                             open_rewarded_sessions=open_rewarded)
         if reason != self.state.waiting:
             self.state.waiting = reason
             self.on_event("waiting", {"reason": reason, "ready": len(sel.chosen),
                                       "incomplete_sessions": sel.incomplete_sessions,
-                                      "open_rewarded_sessions": len(open_rewarded)})
+                                      "open_rewarded_sessions": open_rewarded})
 
     def step_once(self) -> dict[str, float] | None:
         """Train on one batch if there is one; returns the step's metrics (None: not enough data yet)."""
