@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 # Three pytest-xdist workers on CI's 2 cores: tests wait on servers, process starts and sleeps, and a third worker
-# fills those waits (measured: the suite's pytest time 869 s with two, 786 and 789 s with three, the cores 97%
+# fills those waits (measured: the suite's pytest time 869 s with two, 786, 789, 879 and 806 s with three, the cores 97%
 # busy over a run with three; four was not measured).
 TEST_WORKERS ?= 3
 STAMP   := $(VENV)/.installed
