@@ -19,6 +19,7 @@ from slime_server.buffer.schema import (
     Trajectory,
     TrajectoryHead,
     Turn,
+    oldest_generating_version,
 )
 
 Row = Any
@@ -68,10 +69,10 @@ def traj_from_row(row: Row) -> Trajectory:
 
 def head_from_row(row: Row) -> TrajectoryHead:
     """A trajectory's head from its row: the generating versions are read from the arrays' bytes directly."""
-    versions = np.frombuffer(row["weight_versions"], dtype="<i8")
-    generated = versions[(np.frombuffer(row["loss_mask"], dtype="u1") == 1) & (versions >= 0)]
     return TrajectoryHead(id=row["id"], session_id=row["session_id"], group_id=row["group_id"], reward=row["reward"],
-                          updated_at=row["updated_at"], min_version=int(generated.min()) if generated.size else None)
+                          updated_at=row["updated_at"],
+                          min_version=oldest_generating_version(np.frombuffer(row["weight_versions"], dtype="<i8"),
+                                                                np.frombuffer(row["loss_mask"], dtype="u1")))
 
 
 def traj_params(t: Trajectory, revision: int, updated_at: float) -> dict[str, Any]:

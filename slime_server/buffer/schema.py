@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
 SessionStatus = Literal["open", "closed"]
@@ -187,9 +188,17 @@ class Trajectory(BaseModel):
         return len(self.tokens) - first
 
     def head(self) -> TrajectoryHead:
-        generated = [v for v, m in zip(self.weight_versions, self.loss_mask, strict=True) if m and v >= 0]
         return TrajectoryHead(id=self.id, session_id=self.session_id, group_id=self.group_id, reward=self.reward,
-                              updated_at=self.updated_at, min_version=min(generated) if generated else None)
+                              updated_at=self.updated_at,
+                              min_version=oldest_generating_version(self.weight_versions, self.loss_mask))
+
+
+def oldest_generating_version(weight_versions: Any, loss_mask: Any) -> int | None:
+    """The oldest policy version that generated a token (loss mask 1, version known); None: none generated.
+    One rule for a trajectory in memory (lists) and for its stored row (the arrays' bytes, ``buffer/rows.py``)."""
+    versions = np.asarray(weight_versions, dtype=np.int64)
+    generated = versions[(np.asarray(loss_mask) == 1) & (versions >= 0)]
+    return int(generated.min()) if generated.size else None
 
 
 class TrajectoryHead(BaseModel):

@@ -20,12 +20,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from slime_server.buffer.schema import Trajectory, TrajectoryHead
+from slime_server.buffer.schema import Trajectory, TrajectoryHead, oldest_generating_version
 
 
 def min_version(t: Trajectory) -> int | None:
     """Version of the oldest policy that generated a token of ``t`` (None: nothing generated)."""
-    return t.head().min_version
+    return oldest_generating_version(t.weight_versions, t.loss_mask)
 
 
 class Selection(BaseModel):
