@@ -76,6 +76,15 @@ def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float)
 
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    """HF's greedy tokens as an engine picks them with ``ignore_eos``: the argmax at every step, EOS included.
+
+    Not ``generate(min_new_tokens=...)``: that masks EOS, while SGLang's ``ignore_eos`` (and our engine) only
+    keeps going past it. A model whose argmax was EOS then failed the comparison: the push tests' randomly
+    initialised models did so in ~5% of runs."""
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    ids: list[int] = []
+    while True:
+        ids.append(int(out.logits[0, -1].argmax()))
+        if len(ids) == max_new_tokens:
+            return ids
+        out = model(input_ids=torch.tensor([ids[-1:]]), cache=out.cache, use_cache=True)

@@ -57,6 +57,32 @@ def test_greedy_in_process_matches_hf_across_kv_growth(engine, tiny_model_path) 
     assert out.output_ids == hf_greedy(hf_model(tiny_model_path), PROMPT, n)
 
 
+def test_ignore_eos_goes_on_past_an_eos_it_picks(tiny_model_path) -> None:
+    """SGLang's ``ignore_eos``: an EOS the model picks is produced and generation goes on to max_new_tokens
+    (only ``min_new_tokens`` masks EOS); without it the same EOS ends the generation. And the HF greedy reference
+    picks that EOS too (it once used generate's min_new_tokens, which masks it: random-weight push tests failed
+    whenever EOS came out on top). The model is made to pick EOS first: its (tied) embedding row becomes the
+    first greedy token's, scaled so its logit is the larger one."""
+    ref = hf_model(tiny_model_path)
+    eos = ref.config.eos_token_id
+    with torch.no_grad():
+        first = hf_greedy(ref, PROMPT, 1)[0]
+        top = float(ref(input_ids=torch.tensor([PROMPT])).logits[0, -1, first])
+        emb = ref.get_input_embeddings().weight
+        emb[eos] = emb[first] * (2.0 if top > 0 else 0.5)
+    want = hf_greedy(ref, PROMPT, 6)
+    assert want[0] == eos and len(want) == 6
+    eng = CPUEngine(EngineConfig(model_path=str(tiny_model_path), num_threads=1))
+    try:
+        eng.load_weights([("model.embed_tokens.weight", emb.detach().clone())], "eos-first")
+        (out,) = eng.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+        assert out.output_ids == want and out.meta_info.finish_reason.type == "length"
+        (out,) = eng.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=6))
+        assert out.output_ids == [eos] and out.meta_info.finish_reason.type == "stop"
+    finally:
+        eng.shutdown()
+
+
 def test_stop_strings_trim_text_but_keep_tokens(engine) -> None:
     sp = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     (free,) = engine.generate(PROMPT, sp)
