@@ -17,6 +17,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from slime_server.buffer.schema import NormalizedMessage, ToolCallRef
+from slime_server.gateway.token_pieces import PieceEncoder
 from slime_server.gateway.token_text import TokenBytes
 
 
@@ -221,6 +222,20 @@ class ChatRenderer:
         self.stop_token_ids: list[int] = sorted(stops)
         self.token_bytes = TokenBytes(self.tokenizer)  # each id's own bytes (logprobs, split characters)
         self.template_renders_tools = self._renders_tools()
+        special_ids = {t.content: int(i) for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        self._pieces = PieceEncoder(self.tokenizer, special_ids, probes=self._probe_renderings())
+
+    def _probe_renderings(self) -> list[str]:
+        """This template's rendering of a short agent conversation, for ``PieceEncoder``'s check."""
+        call = {"id": "call_1", "type": "function", "function": {"name": "shell", "arguments": '{"cmd": "ls -la"}'}}
+        conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": " Hi,\n  there ✓"},
+                        {"role": "assistant", "content": "Looking.", "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "a.txt\n\n b.txt "},
+                        {"role": "assistant", "content": "Two files."}, {"role": "user", "content": "ok"}]
+        try:
+            return [self.render_text(conversation), self.render_text(conversation[:2])]
+        except ChatTemplateError:  # a template that refuses this conversation: the built-in probes still run
+            return []
 
     def _renders_tools(self) -> bool:
         """Whether the chat template shows ``tools`` to the model at all (many base ChatML ones do not)."""
@@ -282,8 +297,10 @@ class ChatRenderer:
         return text
 
     def encode(self, text: str) -> list[int]:
-        """Tokenize rendered text; special tokens in it are already literal, so add none."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Tokenize rendered text; special tokens in it are already literal, so add none. Piece by piece between
+        special tokens, each piece tokenized once (``token_pieces``): a conversation's earlier turns are not
+        tokenized again every turn."""
+        return self._pieces.encode(text)
 
     def render_ids(self, messages: list[Any], tools: list[dict[str, Any]] | None = None,
                    add_generation_prompt: bool = True) -> list[int]:
