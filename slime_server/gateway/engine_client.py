@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import pydantic_core
 from pydantic import ValidationError
 
 from slime_server.gateway.errors import APIError
@@ -80,7 +81,8 @@ class EngineClient:
         """One prompt -> one result per sample (``n`` in sampling_params), ordered by index."""
         body = self.build_request(input_ids, sampling_params, **kw)
         try:
-            async with self._generate_session().post(f"{self.base_url}/generate", json=body) as r:
+            async with self._generate_session().post(f"{self.base_url}/generate", data=_json_bytes(body),
+                                                     headers=_JSON) as r:
                 status, raw = r.status, await r.read()
         except (TimeoutError, aiohttp.ClientError) as e:
             raise EngineError(503, f"inference backend unreachable: {e!r}", code="engine_unavailable") from e
@@ -101,7 +103,7 @@ class EngineClient:
         """SSE events of a streamed generation (``data: {...}`` … ``data: [DONE]``)."""
         body = self.build_request(input_ids, sampling_params, stream=True, **kw)
         try:
-            async with self._http.stream("POST", "/generate", json=body) as r:
+            async with self._http.stream("POST", "/generate", content=_json_bytes(body), headers=_JSON) as r:
                 if r.status_code >= 400:
                     _raise_for_status(r.status_code, await r.aread())
                 async for line in r.aiter_lines():
@@ -119,6 +121,15 @@ class EngineClient:
                         raise EngineError(502, f"unexpected stream event: {e}", code="bad_engine_response") from e
         except httpx.HTTPError as e:
             raise EngineError(503, f"inference backend unreachable: {e!r}", code="engine_unavailable") from e
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _json_bytes(body: dict[str, Any]) -> bytes:
+    """The request body, serialised in Rust (pydantic-core) on the event loop: a long agent prompt's ids are most of
+    it, and ``json.dumps`` took 5.4 ms for 75k of them (0.8 ms here), blocking every other request meanwhile."""
+    return pydantic_core.to_json(body)
 
 
 def _raise_for_status(status_code: int, body: bytes) -> None:
