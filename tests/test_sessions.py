@@ -182,6 +182,42 @@ def test_concurrent_requests_on_one_trajectory_fork_instead_of_interleaving(sm: 
         assert_mask_invariant(t, engine.ledger)
 
 
+class _CountingStore(SQLiteTrajectoryStore):
+    """The real SQLite store, counting how often a session's trajectories are read."""
+
+    reads = 0
+
+    def get_trajectories(self, session_id: str):
+        self.reads += 1
+        return super().get_trajectories(session_id)
+
+
+def test_a_commit_starts_from_what_prepare_read(tmp_path: Path, renderer: ChatRenderer, engine: FakeEngine) -> None:
+    """The commit does not read the session again (a 75k-token trace costs ms per read): it writes from prepare's
+    read, and only when another turn of the session was recorded in between (its revision check fails) does it
+    read again, then fork as before."""
+    store = _CountingStore(tmp_path / "buffer.db")
+    sm = SessionManager(store, renderer)
+    messages = [{"role": "user", "content": "hi"}]
+    for k in range(3):
+        prepared = sm.prepare_turn("s-r", messages, None)
+        assert store.reads == k + 1
+        (rec,) = sm.commit_turn(prepared, [c := engine.choice(engine.response_id(), 0, f"Answer {k}.")])
+        assert store.reads == k + 1 and rec.mode == ("new" if k == 0 else "merge")
+        messages = messages + [client_message(c), {"role": "user", "content": f"more {k}"}]
+    pa, pb = sm.prepare_turn("s-r", messages, None), sm.prepare_turn("s-r", messages, None)
+    reads = store.reads
+    ra = sm.commit_turn(pa, [engine.choice(engine.response_id(), 0, "A")])
+    assert store.reads == reads
+    rb = sm.commit_turn(pb, [engine.choice(engine.response_id(), 0, "B")])  # pa's write made pb's read stale
+    assert store.reads == reads + 1 and rb[0].trajectory_id != ra[0].trajectory_id
+    (trajectory,) = [t for t in store.get_trajectories("s-r") if t.id == ra[0].trajectory_id]
+    assert len(trajectory.turns) == 4
+    for t in store.get_trajectories("s-r"):
+        assert_mask_invariant(t, engine.ledger)
+    store.close()
+
+
 def test_threads_on_many_sessions(sm: SessionManager, store, engine: FakeEngine) -> None:
     choices = {f"t{i}": engine.choice(engine.response_id(), 0, f"Reply {i}.") for i in range(8)}
     errors: list[BaseException] = []

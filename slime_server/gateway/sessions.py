@@ -28,7 +28,7 @@ import uuid
 from typing import Any, Literal
 
 from prometheus_client import Counter
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from slime_server.buffer.schema import (
     NormalizedMessage,
@@ -124,6 +124,7 @@ class PreparedTurn(BaseModel):
     messages: list[NormalizedMessage]
     tools_digest: str | None = None
     n: int = 1
+    _read: list[Trajectory] | None = PrivateAttr(default=None)  # the session's trajectories as prepare read them
 
     @property
     def extends(self) -> str | None:
@@ -213,26 +214,33 @@ class SessionManager:
                     "finishes its session unless the reward says \"final\": false) or sat idle past "
                     "gateway.session_idle_timeout_s; start a new session for a new episode")
             trajectories = self.store.get_trajectories(session_id)
-            open_ = sorted((t for t in trajectories if t.status == "open" and t.turns),
-                           key=lambda t: (t.updated_at, t.segment, -t.branch), reverse=True)
-            common = dict(session_id=session_id, messages=msgs, tools_digest=digest, n=n, owner=owner)
-            for t in open_:  # rule (a): the new prompt's ids extend the trajectory's ids
-                if len(ids) > len(t.tokens) and ids[: len(t.tokens)] == t.tokens:
-                    return PreparedTurn(mode="merge", base_trajectory_id=t.id, base_len=len(t.tokens),
-                                        segment=t.segment, prompt_ids=ids, **common)
-            for t in open_:  # rule (b): the messages extend the trajectory's messages
-                if t.tools_digest != digest or not extends_conversation(t.messages, msgs):
-                    continue
-                full = list(t.messages) + msgs[len(t.messages):]
-                try:
-                    suffix = self.renderer.encode_suffix(t.messages, full, tools, strict=False)
-                except PrefixMismatchError:
-                    continue
-                closing = [] if t.tokens[-1] in self.renderer.stop_token_ids else [self.renderer.eos_token_id]
-                return PreparedTurn(mode="reuse", base_trajectory_id=t.id, base_len=len(t.tokens),
-                                    segment=t.segment, prompt_ids=t.tokens + closing + suffix, **common)
-            segment = max((t.segment for t in trajectories), default=-1) + 1
-            return PreparedTurn(mode="split" if trajectories else "new", segment=segment, prompt_ids=ids, **common)
+            prepared = self._decide(trajectories, ids, msgs, tools,
+                                    dict(session_id=session_id, messages=msgs, tools_digest=digest, n=n, owner=owner))
+        prepared._read = trajectories  # what the commit starts from; its write checks they are still current
+        return prepared
+
+    def _decide(self, trajectories: list[Trajectory], ids: list[int], msgs: list[NormalizedMessage],
+                tools: list[dict[str, Any]] | None, common: dict[str, Any]) -> PreparedTurn:
+        """Decision 3's rules over the session's trajectories: merge, reuse, or a new segment."""
+        open_ = sorted((t for t in trajectories if t.status == "open" and t.turns),
+                       key=lambda t: (t.updated_at, t.segment, -t.branch), reverse=True)
+        for t in open_:  # rule (a): the new prompt's ids extend the trajectory's ids
+            if len(ids) > len(t.tokens) and ids[: len(t.tokens)] == t.tokens:
+                return PreparedTurn(mode="merge", base_trajectory_id=t.id, base_len=len(t.tokens),
+                                    segment=t.segment, prompt_ids=ids, **common)
+        for t in open_:  # rule (b): the messages extend the trajectory's messages
+            if t.tools_digest != common["tools_digest"] or not extends_conversation(t.messages, msgs):
+                continue
+            full = list(t.messages) + msgs[len(t.messages):]
+            try:
+                suffix = self.renderer.encode_suffix(t.messages, full, tools, strict=False)
+            except PrefixMismatchError:
+                continue
+            closing = [] if t.tokens[-1] in self.renderer.stop_token_ids else [self.renderer.eos_token_id]
+            return PreparedTurn(mode="reuse", base_trajectory_id=t.id, base_len=len(t.tokens),
+                                segment=t.segment, prompt_ids=t.tokens + closing + suffix, **common)
+        segment = max((t.segment for t in trajectories), default=-1) + 1
+        return PreparedTurn(mode="split" if trajectories else "new", segment=segment, prompt_ids=ids, **common)
 
     # ---------------------------------------------------------------- commit
     def commit_turn(self, prepared: PreparedTurn, choices: list[ChoiceResult]) -> list[TurnRecord]:
@@ -241,18 +249,26 @@ class SessionManager:
             raise SessionRequestError("commit_turn needs at least one choice")
         choices = [c if isinstance(c, ChoiceResult) else ChoiceResult.model_validate(c) for c in choices]
         with self._lock(prepared.session_id):
+            # First from what prepare read (current unless another turn of this session was recorded since: then
+            # the write's revision check fails and the next attempt reads again), not a second read of the store.
+            read = prepared._read
             for attempt in range(_COMMIT_ATTEMPTS):
                 try:
-                    return self._commit_once(prepared, choices)
+                    return self._commit_once(prepared, choices, read)
                 except StaleWriteError:
                     if attempt == _COMMIT_ATTEMPTS - 1:
                         raise
+                    read = None
         raise AssertionError("unreachable")
 
-    def _commit_once(self, prepared: PreparedTurn, choices: list[ChoiceResult]) -> list[TurnRecord]:
+    def _commit_once(self, prepared: PreparedTurn, choices: list[ChoiceResult],
+                     read: list[Trajectory] | None) -> list[TurnRecord]:
         # a one-shot request (no session named) creates its session inside the turn's own transaction
         new_session = Session(id=prepared.session_id, owner=prepared.owner) if prepared.ephemeral else None
-        trajectories = [] if prepared.ephemeral else self.store.get_trajectories(prepared.session_id)
+        if prepared.ephemeral:
+            trajectories: list[Trajectory] = []
+        else:
+            trajectories = read if read is not None else self.store.get_trajectories(prepared.session_id)
         base = next((t for t in trajectories if t.id == prepared.base_trajectory_id), None)
         if prepared.base_trajectory_id is not None:
             if base is None:
