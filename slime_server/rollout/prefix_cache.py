@@ -5,15 +5,23 @@ the K/V of finished generations (compact copies) and a new prompt that starts wi
 of them computes only its new tokens. Entries are whole token sequences, matched by longest common
 prefix, evicted least-recently-used within a token budget. K/V depends on the weights: the engine
 clears this cache on every weight update and on ``/flush_cache``.
+
+The entries' token lists are also kept in lexicographic order, because the entry sharing the longest prefix
+with a prompt is the prompt's neighbour in that order (for a <= b <= c, lcp(a, c) = min(lcp(a, b), lcp(b, c))):
+a match is a binary search and two comparisons, not one comparison per entry. Comparing every entry cost ~10 ms
+per prompt and as much per finish with 3,000 entries sharing a system prompt, on the scheduler thread.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from slime_server.rollout.engine_sequence import KV
 from slime_server.utils.sequences import common_prefix
+
+SUPERSEDE_SCAN = 8  # entries before a new one checked for being its prefix (the same session's last turn is one)
 
 
 @dataclass
@@ -31,42 +39,58 @@ class PrefixCache:
     def __init__(self, max_tokens: int, min_match: int = 16) -> None:
         self.max_tokens = max_tokens
         self.min_match = min_match
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._sorted_ids: list[list[int]] = []  # every entry's ids, in lexicographic order (unique: see put)
+        self._sorted_keys: list[int] = []  # the entry key at the same position
+        self._tokens = 0
         self._next = 0
         self.hits = 0
         self.reused_tokens = 0
 
     @property
     def tokens(self) -> int:
-        return sum(e.size for e in self._entries.values())
+        return self._tokens
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, ids: list[int], kv: KV) -> None:
         """Keep a compact copy of ``kv``'s first ``len(ids)`` positions (per layer [heads, >= len, hd]); a copy,
-        since ``kv`` may be a row of the engine's batch buffer."""
+        since ``kv`` may be a row of the engine's batch buffer. An entry with the same ids, and entries just
+        before it in order that are a prefix of it (the session's earlier turns), are superseded."""
         if len(ids) < self.min_match or not kv or kv[0][0].shape[1] < len(ids):
             return
         n = len(ids)
         entry = _Entry(list(ids), [(k[:, :n].clone(), v[:, :n].clone()) for k, v in kv])
         if entry.size > self.max_tokens:
             return
-        for key in [k for k, e in self._entries.items() if common_prefix(e.ids, entry.ids) == len(e.ids)]:
-            del self._entries[key]  # a shorter prefix of this sequence: superseded
-        while self._entries and self.tokens + entry.size > self.max_tokens:
-            self._entries.popitem(last=False)
-        self._entries[self._next] = entry
+        i = bisect_left(self._sorted_ids, entry.ids)
+        if i < len(self._sorted_ids) and self._sorted_ids[i] == entry.ids:
+            self._remove(self._sorted_keys[i])
+        for j in range(i - 1, max(-1, i - 1 - SUPERSEDE_SCAN), -1):  # a prefix of ids sorts before it
+            if common_prefix(self._sorted_ids[j], entry.ids) == len(self._sorted_ids[j]):
+                self._remove(self._sorted_keys[j])
+        while self._entries and self._tokens + entry.size > self.max_tokens:
+            self._remove(next(iter(self._entries)))
+        key = self._next
         self._next += 1
+        self._entries[key] = entry
+        self._tokens += entry.size
+        i = bisect_left(self._sorted_ids, entry.ids)
+        self._sorted_ids.insert(i, entry.ids)
+        self._sorted_keys.insert(i, key)
 
     def match(self, ids: list[int]) -> tuple[KV | None, int]:
         """The buffers of the entry sharing the longest prefix with ``ids`` and that length (at most
         ``len(ids) - 1``: the last prompt token is always computed, its logits are needed)."""
+        ids = ids if isinstance(ids, list) else list(ids)  # ordered against lists
+        i = bisect_left(self._sorted_ids, ids)
         best_key, best = None, 0
-        for key, e in self._entries.items():
-            m = common_prefix(e.ids, ids)
-            if m > best:
-                best_key, best = key, m
+        for j in (i - 1, i):  # the longest common prefix is with a neighbour in lexicographic order
+            if 0 <= j < len(self._sorted_ids):
+                m = common_prefix(self._sorted_ids[j], ids)
+                if m > best:
+                    best_key, best = self._sorted_keys[j], m
         best = min(best, len(ids) - 1)
         if best_key is None or best < self.min_match:
             return None, 0
@@ -77,3 +101,15 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sorted_ids.clear()
+        self._sorted_keys.clear()
+        self._tokens = 0
+
+    def _remove(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        self._tokens -= entry.size
+        i = bisect_left(self._sorted_ids, entry.ids)
+        while self._sorted_keys[i] != key:  # ids are unique, so this is i itself; kept safe all the same
+            i += 1
+        del self._sorted_ids[i]
+        del self._sorted_keys[i]

@@ -1,0 +1,64 @@
+"""The engine's prefix cache (``rollout/prefix_cache.py``): the longest shared prefix found by order, not by scan."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slime_server.rollout.prefix_cache import PrefixCache
+from slime_server.utils.sequences import common_prefix
+
+
+def kv_of(ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One layer of K/V whose values are the token ids (so a returned buffer says whose it is)."""
+    t = torch.tensor(ids, dtype=torch.float32)[None, :, None]
+    return [(t.clone(), -t.clone())]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "match"]), st.integers(0, 10**6)), min_size=1, max_size=60))
+def test_match_is_the_longest_prefix_of_any_entry(ops: list[tuple[str, int]]) -> None:
+    """Random puts and matches over sequences that share prefixes of every length (a system prompt, sessions that
+    extend their last turn, siblings): a match returns the longest common prefix over all entries (capped at
+    len - 1, at least min_match), with K/V that holds exactly those tokens; the budget and the LRU hold."""
+    cache = PrefixCache(max_tokens=400, min_match=4)
+    system = [7, 7, 1, 2, 3]
+    seen: list[list[int]] = []
+    for op, seed in ops:
+        rng = random.Random(seed)
+        if seen and rng.random() < 0.6:  # extend or branch off something seen
+            base = rng.choice(seen)
+            ids = base[: rng.randrange(len(base) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        else:
+            ids = system + [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        if op == "put":
+            cache.put(ids, kv_of(ids))
+            seen.append(ids)
+        else:
+            live = [e.ids for e in cache._entries.values()]
+            want = min(max((common_prefix(e, ids) for e in live), default=0), len(ids) - 1)
+            kv, got = cache.match(ids)
+            if want < cache.min_match:
+                assert (kv, got) == (None, 0)
+            else:
+                assert got == want
+                assert kv[0][0][0, :got, 0].tolist() == ids[:got]
+        assert cache.tokens == sum(e.size for e in cache._entries.values()) <= cache.max_tokens
+        assert cache._sorted_ids == sorted(e.ids for e in cache._entries.values())
+
+
+def test_a_sessions_next_turn_supersedes_its_last() -> None:
+    cache = PrefixCache(max_tokens=10_000)
+    turn1 = list(range(100, 140))
+    cache.put(turn1, kv_of(turn1))
+    cache.put(list(range(100, 120)) + [5] * 30, kv_of(list(range(100, 120)) + [5] * 30))  # another session's branch
+    turn2 = turn1 + list(range(200, 230))
+    cache.put(turn2, kv_of(turn2))
+    assert sorted(e.ids for e in cache._entries.values()) == sorted([turn2, list(range(100, 120)) + [5] * 30])
+    kv, got = cache.match(turn2 + [1, 2, 3])
+    assert got == len(turn2) and kv[0][0][0, :, 0].tolist() == turn2
+    cache.clear()
+    assert (len(cache), cache.tokens, cache.match(turn2)) == (0, 0, (None, 0))
