@@ -130,6 +130,34 @@ def published_spec() -> dict[str, Any]:
 schema = schemathesis.openapi.from_dict(published_spec())
 
 
+def test_each_responses_item_and_part_matches_one_branch_of_its_union() -> None:
+    """The Responses input's item, content-part and tool unions are published as oneOf, each with a catch-all for
+    the types refused by name (OtherItem, UnsupportedPart, HostedTool). A catch-all that also matched the known types made every
+    function_call_output item schema-invalid (two branches), so a fuzz case built on one was "invalid data
+    accepted" (CI57). Each kind of item and part the API takes must match exactly one branch."""
+    import jsonschema
+
+    spec = published_spec()
+    request = spec["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    name = request["$ref"].split("/")[-1]
+    items = spec["components"]["schemas"][name]["properties"]["input"]["anyOf"][1]["items"]
+    validator = jsonschema.Draft202012Validator({**items, "components": spec["components"]})
+    part = {"type": "input_text", "text": "hi"}
+    for item in ({"role": "user", "content": "hi"}, {"type": "message", "role": "user", "content": [part]},
+                 {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_1"},
+                 {"type": "function_call_output", "call_id": "c1", "output": "42", "id": "fco_1"},
+                 {"type": "reasoning", "summary": [], "id": "rs_1"}, {"type": "item_reference", "id": "x"},
+                 {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "u"}]}):
+        assert validator.is_valid(item), (item, [e.message for e in validator.iter_errors(item)])
+    tools = spec["components"]["schemas"][name]["properties"]["tools"]
+    tools = next(branch for branch in tools.get("anyOf", [tools]) if branch.get("type") == "array")["items"]
+    validator = jsonschema.Draft202012Validator({**tools, "components": spec["components"]})
+    for tool in ({"type": "function", "name": "f", "parameters": {"type": "object"}}, {"type": "web_search"},
+                 {"type": "reasoning"}):
+        assert validator.is_valid(tool), (tool, [e.message for e in validator.iter_errors(tool)])
+
+
 def test_the_live_server_publishes_the_fuzzed_spec(live_url: str) -> None:
     import httpx
 

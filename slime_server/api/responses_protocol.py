@@ -41,16 +41,21 @@ class RefusalParam(WireModel):
     refusal: str
 
 
+_KNOWN_PART_TYPES = ("input_text", "output_text", "refusal")
+
+
 class UnsupportedPart(WireModel):
     """``input_image``, ``input_file``, ``input_audio``: refused with a 400 naming the part."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+    # Published as "any type but the three above": the union is a oneOf, which a part that two branches' schemas
+    # accept (an input_text is also an object with a string "type") violates.
+    type: str = Field(json_schema_extra={"not": {"enum": list(_KNOWN_PART_TYPES)}})
 
 
 def _part_kind(v: Any) -> str:
     kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return kind if kind in ("input_text", "output_text", "refusal") else "other"
+    return kind if kind in _KNOWN_PART_TYPES else "other"
 
 
 ContentPart = Annotated[
@@ -98,16 +103,21 @@ class ReasoningItem(WireModel):
     encrypted_content: str | None = None
 
 
+_KNOWN_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
 class OtherItem(WireModel):
     """Any other item type (``item_reference``, hosted-tool calls): refused with a 400 naming it."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+    # Published as "any type but the four above": the union is a oneOf, which an item that two branches' schemas
+    # accept (a function_call_output is also an object with a string "type") violates (schemathesis, CI57).
+    type: str = Field(json_schema_extra={"not": {"enum": list(_KNOWN_ITEM_TYPES)}})
 
 
 def _item_kind(v: Any) -> str:
     kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
-    return kind if kind in ("message", "function_call", "function_call_output", "reasoning") else "other"
+    return kind if kind in _KNOWN_ITEM_TYPES else "other"
 
 
 InputItem = Annotated[
@@ -131,7 +141,8 @@ class FunctionTool(WireModel):
 
 class HostedTool(WireModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+    # Published as "any type but function", for the same reason as OtherItem's.
+    type: str = Field(json_schema_extra={"not": {"enum": ["function"]}})
 
 
 def _tool_kind(v: Any) -> str:
