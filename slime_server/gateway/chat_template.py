@@ -17,7 +17,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from slime_server.buffer.schema import NormalizedMessage, ToolCallRef
-from slime_server.gateway.token_pieces import PieceEncoder
+from slime_server.gateway.token_pieces import PieceEncoder, special_alternatives
 from slime_server.gateway.token_text import TokenBytes
 
 
@@ -204,9 +204,8 @@ class ChatRenderer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateError(f"tokenizer at {tokenizer_path} has no chat template")
         self.context_length = context_length or self._read_context_length(Path(tokenizer_path))
-        specials = [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special]
-        # Longest first so that the regex never matches a special token's prefix.
-        alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
+        special_ids = {t.content: int(i) for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        alternatives = special_alternatives(special_ids)
         self._special_re = re.compile(alternatives)
         self._special_split_re = re.compile(f"({alternatives})")
         eos = self.tokenizer.eos_token_id
@@ -222,7 +221,6 @@ class ChatRenderer:
         self.stop_token_ids: list[int] = sorted(stops)
         self.token_bytes = TokenBytes(self.tokenizer)  # each id's own bytes (logprobs, split characters)
         self.template_renders_tools = self._renders_tools()
-        special_ids = {t.content: int(i) for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self._pieces = PieceEncoder(self.tokenizer, special_ids, probes=self._probe_renderings())
 
     def _probe_renderings(self) -> list[str]:

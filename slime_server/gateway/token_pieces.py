@@ -42,7 +42,7 @@ class PieceEncoder:
                  probes: Iterable[str] = ()) -> None:
         self._tokenizer = tokenizer
         self._ids = dict(specials)
-        alternatives = "|".join(re.escape(s) for s in sorted(self._ids, key=len, reverse=True))
+        alternatives = special_alternatives(self._ids)
         self._split = re.compile(f"({alternatives})") if alternatives else None
         self.max_bytes = max_bytes
         self._cache: OrderedDict[str, array] = OrderedDict()
@@ -109,6 +109,12 @@ class PieceEncoder:
         and ``probes`` (e.g. a conversation rendered by the model's own template)."""
         texts = [p.format(s=s) for s in self._ids for p in _PROBE_TEXTS] + list(_PROBE_PLAIN) + list(probes)
         return all(self._piecewise(t, self.whole) == self.whole(t) for t in texts)
+
+
+def special_alternatives(specials: Iterable[str]) -> str:
+    """A regex alternation of the special tokens, longest first so that it never matches a special token's prefix."""
+    return "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
+
 
 def _cost(piece: str, ids: array) -> int:
     """Bytes a cached piece holds: its text and its ids (4 bytes each), plus the entry's overhead, about."""
