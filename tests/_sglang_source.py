@@ -31,7 +31,9 @@ COMMON = "sglang/srt/utils/common.py"
 TENSOR_BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
 AUTH = "sglang/srt/utils/auth.py"
 PATCH_TORCH = "sglang/srt/utils/patch_torch.py"
-NEEDED = (HTTP_SERVER, IO_STRUCT, API_TYPES, COMMON, TENSOR_BUCKET, AUTH, PATCH_TORCH)
+V1_LOADS = "sglang/srt/entrypoints/v1_loads.py"
+LOAD_SNAPSHOT = "sglang/srt/managers/load_snapshot.py"
+NEEDED = (HTTP_SERVER, IO_STRUCT, API_TYPES, COMMON, TENSOR_BUCKET, AUTH, PATCH_TORCH, V1_LOADS, LOAD_SNAPSHOT)
 
 # The files we read are pure Python, identical in every wheel of a release: ask for one fixed tag so the
 # download does not depend on the interpreter running the tests.
@@ -315,6 +317,30 @@ def function_source(relpath: str, name: str) -> str:
             assert seg is not None
             return seg
     raise SGLangSourceError(f"function {name} not found in {relpath}")
+
+
+def class_fields(relpath: str, name: str) -> set[str]:
+    """The annotated fields of one top-level class of a file of the release (a msgspec Struct, a dataclass)."""
+    _, tree = _tree(relpath)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return {st.target.id for st in node.body if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
+    raise SGLangSourceError(f"class {name} not found in {relpath}")
+
+
+def loads_route() -> tuple[str, set[str]]:
+    """``v1_loads.py``'s ``@router.get(path)`` route: its path and the keys of the dict it returns."""
+    _, tree = _tree(V1_LOADS)
+    for fn in tree.body:
+        if not isinstance(fn, ast.AsyncFunctionDef | ast.FunctionDef):
+            continue
+        for dec in fn.decorator_list:
+            if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.func.attr == "get"
+                    and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "router" and dec.args):
+                returned = [n.value for n in ast.walk(fn) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict)]
+                keys = {k.value for d in returned for k in d.keys if isinstance(k, ast.Constant)}
+                return str(ast.literal_eval(dec.args[0])), keys
+    raise SGLangSourceError(f"no @router.get route in {V1_LOADS}")
 
 
 def fetch_all() -> None:

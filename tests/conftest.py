@@ -74,8 +74,8 @@ LONGEST_FIRST = ["test_demo_learning.py", "test_jobs_e2e.py", "test_demo_and_ser
                  "test_real_model.py", "test_online_e2e.py", "test_two_nodes.py", "test_soak.py",
                  "test_harnesses.py", "test_engine_faults.py",
                  "test_engine_key_deploy.py", "test_training_modes.py"]
-# last: it waits for the demo's warm start, which test_demo_learning builds first on an empty cache (~9 min)
-LAST = ["test_rejection_sampling.py"]
+# last: they wait for the demo's warm start, which test_demo_learning builds first on an empty cache (~9 min)
+LAST = ["test_rejection_sampling.py", "test_first_contact.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

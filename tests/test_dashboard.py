@@ -24,6 +24,7 @@ from openai import OpenAI
 
 from slime_server.utils.net import find_free_port
 from tests._jobs_helpers import ADMIN, AGENT, create_job, drive, job, running_stack, wait_event, wait_job
+from tests._json_http import JsonHandler
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
                  if p and os.access(p, os.X_OK)), None)
@@ -81,6 +82,60 @@ def bare_app(tmp_path: Path) -> Iterator[Any]:
 def api_app(bare_app: Any) -> Iterator[TestClient]:
     with TestClient(bare_app) as client:
         yield client
+
+
+class _SGLang0523Engine(JsonHandler):
+    """Stands in for a router with one SGLang 0.5.23 engine behind it (both on this one port): the engine serves
+    ``/v1/loads`` in SGLang's shape (two DP ranks, more fields than we read) and no ``/get_load``."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        host = f"http://127.0.0.1:{self.server.server_address[1]}"
+        path = self.path.split("?")[0]
+        if path == "/workers":
+            self.answer(200, {"workers": [{"url": host, "is_healthy": True, "load": 5}]})
+        elif path == "/health":
+            self.answer(200, {})
+        elif path == "/model_info":
+            self.answer(200, {"model_path": "m", "weight_version": "7"})
+        elif path == "/v1/loads":
+            rank = {"timestamp": 1.0, "num_used_tokens": 10, "num_total_tokens": 20, "token_usage": 0.5,
+                    "gen_throughput": 3.0, "memory": {"weight_gb": 1.0}}
+            self.answer(200, {"timestamp": "2026-11-27T10:00:00+00:00", "version": "0.5.23",
+                              "accelerator": "NVIDIA H200", "num_accelerators": 1,
+                              "loads": [{**rank, "dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1},
+                                        {**rank, "dp_rank": 1, "num_running_reqs": 2, "num_waiting_reqs": 0}]})
+        else:
+            self.answer(404, {"detail": "Not Found"})
+
+
+def test_dashboard_reads_load_from_sglang_0_5_23s_route(tmp_path: Path) -> None:
+    """Issue 41: SGLang 0.5.23 serves an engine's load at ``/v1/loads`` (no ``/get_load``): the dashboard shows
+    it, summed over the engine's DP ranks."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from slime_server.api.app import create_app
+    from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+    from slime_server.config import GatewaySettings
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), _SGLang0523Engine)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{http.server_address[1]}"
+    store = SQLiteTrajectoryStore(tmp_path / "db.sqlite")
+    settings = GatewaySettings(api_key=AGENT, admin_api_key=ADMIN, db_path=str(tmp_path / "db.sqlite"),
+                               port=find_free_port())
+    try:
+        app = create_app(router_url=url, renderer=_Renderer(), sessions=None, store=store, settings=settings,
+                         model_name="tiny")
+        with TestClient(app) as client:
+            view = client.get("/dashboard/api/engines", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    finally:
+        http.shutdown()
+        store.close()
+    assert view["router_reachable"] is True
+    [engine] = view["engines"]
+    assert engine["url"] == url and engine["healthy"] and engine["error"] is None
+    assert (engine["running_reqs"], engine["waiting_reqs"], engine["weight_version"]) == (5, 1, "7")
 
 
 def test_dashboard_api_needs_the_admin_key(api_app: TestClient) -> None:

@@ -107,35 +107,3 @@ def test_serve_with_api_key(tiny_model_path: Path, tmp_path: Path) -> None:
         assert "stopped" in rest
     finally:
         kill_group(proc)
-
-
-def test_train_local_runs_a_job_on_a_server_of_its_own(tiny_model_path: Path, tmp_path: Path) -> None:
-    """Issue 20: ``slime-server train CONFIG --local`` needs no server: it starts one for the job (the settings
-    tree picks the model), follows the job to its end, says where its files are, exits 0 and leaves no
-    process behind; without --local and with no server at the URL it exits 2 naming the way out."""
-    import shutil
-
-    example = Path(__file__).resolve().parents[1] / "examples" / "grpo_calculator.yaml"
-    model = shutil.copytree(tiny_model_path, tmp_path / "model")  # its path names this test's engines alone
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
-           "SLIME_ENGINE__MODEL": str(model), "SLIME_TRAINER__WORK_DIR": str(tmp_path / "jobs"),
-           "SLIME_GATEWAY__DB_PATH": str(tmp_path / "db.sqlite")}
-    nobody = f"http://127.0.0.1:{find_free_port()}"
-    refused = subprocess.run([str(CLI), "train", str(example), "--url", nobody], capture_output=True, text=True,
-                             env=env, timeout=60)
-    assert refused.returncode == 2 and f"no server at {nobody}" in refused.stderr and "--local" in refused.stderr
-    done = subprocess.run([str(CLI), "train", str(example), "--local", "--max-steps", "2", "--poll-s", "0.5",
-                           "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, env=env,
-                          timeout=280, start_new_session=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    job_id = next(line.split()[1] for line in done.stdout.splitlines() if line.startswith("job "))
-    assert f"job {job_id} completed: 2 steps" in done.stdout
-    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")] == ["1", "2"]
-    job_dir = tmp_path / "jobs" / job_id
-    assert f"job files: {job_dir} (TensorBoard: {job_dir}/tb)" in done.stdout
-    assert any((job_dir / "tb").iterdir())  # TensorBoard wrote its event file there
-    engine_log = next((tmp_path / "logs").rglob("*.log"))
-    assert engine_log.stat().st_size > 0
-    assert f"model {model}" in done.stdout
-    leftover = subprocess.run(["pgrep", "-f", str(model)], capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", leftover.stdout  # no engine (nor anything else on the model) remains

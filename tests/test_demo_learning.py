@@ -97,6 +97,17 @@ def test_the_held_out_set_shares_no_problem_with_training() -> None:
         demo_rows(300, 0, "held_out")
 
 
+def test_the_example_datasets_are_the_demos_problems() -> None:
+    """examples/grpo_calculator.yaml trains on the demo's problems, which its warm start (tiny-calc) knows."""
+    from slime_server.demo_learning import demo_rows
+
+    data = Path(__file__).resolve().parents[1] / "examples" / "data"
+    assert (data / "calculator_train.jsonl").read_text() == "".join(r.model_dump_json() + "\n"
+                                                                     for r in demo_rows(512, 100))
+    assert (data / "calculator_heldout.jsonl").read_text() == "".join(r.model_dump_json() + "\n"
+                                                                       for r in demo_rows(64, 200, "held_out"))
+
+
 def test_shortened_demo_learns(tiny_model_path: Path, tmp_path: Path) -> None:
     eval_file = tmp_path / "extra.jsonl"
     eval_file.write_text('{"prompt": "Ana has 4 apples and buys 3 more. How many apples does Ana have now?", '

@@ -346,3 +346,69 @@ def test_train_command_follows_a_job_to_its_end_and_exits_with_its_outcome(serve
     listed = subprocess.run([*cli, "jobs", "list", *auth], capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0 and any(line.startswith(job_id) and "completed" in line
                                           for line in listed.stdout.splitlines())
+
+
+def test_last_evaluation_due_during_another_reports_before_completed(server: Any) -> None:
+    """Issue 41: the evaluation due at a job's last step, coming due while an earlier round still runs, is run
+    and reported (after that round, in order) before the job is marked completed. The step-0 round is held
+    at a gate (its environment waits there) until the job has trained its last step."""
+    from tests import _gated_env
+
+    drain_pool(server)
+    _gated_env.GATE.clear()
+    _gated_env.ENTERED.clear()
+    body = {"name": "last-eval", "algorithm": "grpo", "optimizer": {"lr": 1e-3},
+            "data": {"source": "dataset", "environment": "calculator", "num_prompts": 8, "concurrency": 4,
+                     "max_tokens": 16},
+            "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_steps": 2, "max_staleness": None,
+                     "poll_interval_s": 0.05, "checkpoint_interval": 100},
+            "eval": [{"name": "gated", "environment": "tests._gated_env:GatedCalculator", "num_prompts": 2,
+                      "every_steps": 1, "max_tokens": 16}]}
+    try:
+        with admin(server) as c:
+            j = c.post("/jobs", json=body).raise_for_status().json()
+        assert _gated_env.ENTERED.wait(180), "the step-0 evaluation never started"
+        j = wait_job(server, j["id"], lambda j: j["step"] >= 2)
+        assert job(server, j["id"])["status"] == "running"  # trained, but its last evaluation is not in yet
+    finally:
+        _gated_env.GATE.set()
+    j = wait_job(server, j["id"], lambda j: j["status"] == "completed")
+    with admin(server) as c:
+        events = job_events(c, j["id"])
+    kinds = [(e["kind"], e["data"].get("step")) for e in events if e["kind"] in ("eval", "eval_failed", "completed")]
+    assert kinds == [("eval", 0), ("eval", 2), ("completed", 2)], kinds
+    first, last = (next(e["data"] for e in events if e["kind"] == "eval" and e["data"]["step"] == k) for k in (0, 2))
+    assert last["version"] == first["version"] + 2  # the policy after the last step (versions go on across jobs)
+    assert last["episodes"] == 2 and last["errors"] == 0
+
+
+def test_cancel_cuts_an_evaluation_round(server: Any) -> None:
+    """A cancel while an evaluation round runs: the round makes no new call once the job stops and is not
+    reported (a partial round is no score); the cancel returns once the round has ended."""
+    import threading
+
+    from tests import _gated_env
+
+    drain_pool(server)
+    _gated_env.GATE.clear()
+    _gated_env.ENTERED.clear()
+    body = {"name": "cut-eval", "algorithm": "grpo", "optimizer": {"lr": 1e-3},
+            "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "poll_interval_s": 0.05},
+            "data": {"source": "dataset", "environment": "calculator", "num_prompts": 8, "concurrency": 4,
+                     "max_tokens": 16},
+            "eval": [{"name": "gated", "environment": "tests._gated_env:GatedCalculator", "num_prompts": 4,
+                      "every_steps": 1, "max_tokens": 16, "concurrency": 4}]}
+    try:
+        with admin(server) as c:
+            j = c.post("/jobs", json=body).raise_for_status().json()
+        assert _gated_env.ENTERED.wait(180), "the step-0 evaluation never started"
+        cancelled = threading.Thread(target=cancel, args=(server, j["id"]))
+        cancelled.start()
+        wait_job(server, j["id"], lambda j: j["status"] == "cancelled")
+    finally:
+        _gated_env.GATE.set()
+    cancelled.join(180)
+    assert not cancelled.is_alive()
+    with admin(server) as c:
+        kinds = [e["kind"] for e in job_events(c, j["id"])]
+    assert "eval" not in kinds and "eval_failed" not in kinds, kinds

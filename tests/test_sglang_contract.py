@@ -32,16 +32,19 @@ import torch
 from slime_server.rollout.protocol import SGLANG_ROUTES, GenerateOutput
 from tests._sglang_source import (
     COMMON,
+    LOAD_SNAPSHOT,
     SGLANG_VERSION,
     TENSOR_BUCKET,
     SGLangSourceError,
     api_types,
+    class_fields,
     fetch_all,
     function_source,
     http_routes,
     io_struct_classes,
     io_struct_defaults,
     load_by_path,
+    loads_route,
     safe_unpickler_allowed_globals,
     safe_unpickler_class,
 )
@@ -572,3 +575,20 @@ def test_weight_group_rendezvous_with_sglang(ours_rank: int, tmp_path: Path) -> 
     report = "\n".join(f"--- {n} (exit {p.returncode}):\n{outs.get(n, '')[-3000:]}" for n, p in procs.items())
     assert all(p.returncode == 0 for p in procs.values()), f"weight-group rendezvous failed:\n{report}"
 
+
+
+def test_load_route_is_sglangs(engine_url: str) -> None:
+    """Issue 41: the dashboard reads an engine's load from SGLang 0.5.23's ``GET /v1/loads``
+    (``entrypoints/v1_loads.py``; 0.5.23 serves no ``/get_load``): our response model names only the keys that
+    route returns and the ``LoadSnapshot`` fields it sends per rank, and the CPU engine answers it so."""
+    from slime_server.rollout.protocol import LoadSnapshot, LoadsResponse
+
+    path, keys = loads_route()
+    assert path == "/v1/loads"
+    assert set(LoadsResponse.model_fields) == keys
+    assert set(LoadSnapshot.model_fields) <= class_fields(LOAD_SNAPSHOT, "LoadSnapshot")
+    r = httpx.get(f"{engine_url}/v1/loads", params={"include": "core"}, timeout=10)
+    assert r.status_code == 200
+    body = r.json()
+    assert set(body) == keys and LoadsResponse.model_validate(body).loads[0].num_running_reqs == 0
+    assert set(body["loads"][0]) <= class_fields(LOAD_SNAPSHOT, "LoadSnapshot")

@@ -17,7 +17,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from pydantic import BaseModel, Field
@@ -25,6 +25,16 @@ from pydantic import BaseModel, Field
 from slime_server.envs.base import DatasetRow, Environment
 
 log = logging.getLogger(__name__)
+
+
+class Flag(Protocol):
+    """What stops a run: a ``threading.Event`` or anything with ``is_set``."""
+
+    def is_set(self) -> bool: ...
+
+
+class EpisodeCut(Exception):
+    """The run was stopped: the episode makes no further call (the one in flight completes and is recorded)."""
 
 
 class RunnerSettings(BaseModel):
@@ -53,6 +63,7 @@ class EpisodeResult(BaseModel):
     tool_calls: int
     final_text: str
     error: str | None = None
+    cut: bool = Field(False, description="stopped before its end (the run's stop flag): not a failure, no reward")
 
 
 class RunSummary(BaseModel):
@@ -62,6 +73,7 @@ class RunSummary(BaseModel):
     success_rate: float
     errors: int
     seconds: float
+    cut: int = Field(0, description="episodes stopped before their end by the run's stop flag (not counted above)")
     results: list[EpisodeResult]
 
 
@@ -86,8 +98,10 @@ class AgentRunner:
         self.env = env
         self.settings = settings
 
-    async def run(self, rows: Sequence[DatasetRow], *, on_episode: Callable[[EpisodeResult], None] | None = None
-                  ) -> RunSummary:
+    async def run(self, rows: Sequence[DatasetRow], *, on_episode: Callable[[EpisodeResult], None] | None = None,
+                  stop: Flag | None = None) -> RunSummary:
+        """Play every row's group; once ``stop`` is set, episodes make no new call (a call in flight completes
+        and is recorded, so nothing reaches the server after this returns) and end as ``cut``."""
         from openai import AsyncOpenAI
 
         s = self.settings
@@ -103,27 +117,35 @@ class AgentRunner:
                 group = f"grp-{uuid.uuid4().hex[:12]}"
                 for k in range(s.n_samples_per_prompt):
                     seed = None if s.seed is None else s.seed + i * s.n_samples_per_prompt + k
-                    jobs.append(self._guarded(sem, client, rest, model, row, group, seed, on_episode))
+                    jobs.append(self._guarded(sem, stop, client, rest, model, row, group, seed, on_episode))
             results = await asyncio.gather(*jobs)
         finally:
             await rest.aclose()
             await client.close()
-        rewards = [r.reward for r in results]
-        return RunSummary(episodes=len(results), groups=len({r.group_id for r in results}),
+        done = [r for r in results if not r.cut]
+        rewards = [r.reward for r in done]
+        return RunSummary(episodes=len(done), groups=len({r.group_id for r in done}),
                           mean_reward=statistics.fmean(rewards) if rewards else 0.0,
                           success_rate=sum(r >= 1.0 for r in rewards) / max(1, len(rewards)),
-                          errors=sum(r.error is not None for r in results), seconds=time.monotonic() - t0,
-                          results=list(results))
+                          errors=sum(r.error is not None for r in done), seconds=time.monotonic() - t0,
+                          results=list(results), cut=len(results) - len(done))
 
-    async def _guarded(self, sem: asyncio.Semaphore, *args: Any) -> EpisodeResult:
+    async def _guarded(self, sem: asyncio.Semaphore, stop: Flag | None, client: Any, rest: httpx.AsyncClient,
+                       model: str, row: DatasetRow, group: str, seed: int | None,
+                       on_episode: Callable[[EpisodeResult], None] | None) -> EpisodeResult:
         async with sem:
-            return await self.episode(*args)
+            if stop is not None and stop.is_set():  # not started: no session is opened for it
+                return EpisodeResult(session_id="", group_id=group, reward=0.0, turns=0, tool_calls=0, final_text="",
+                                     cut=True)
+            return await self.episode(client, rest, model, row, group, seed, on_episode, stop=stop)
 
-    async def _create(self, client: Any, **kw: Any) -> Any:
+    async def _create(self, client: Any, stop: Flag | None = None, **kw: Any) -> Any:
         """``chat.completions.create``, waiting out buffer pacing (429) when ``wait_when_paced``."""
         from openai import RateLimitError
 
         while True:
+            if stop is not None and stop.is_set():
+                raise EpisodeCut
             try:
                 return await client.chat.completions.create(**kw)
             except RateLimitError as e:
@@ -136,18 +158,19 @@ class AgentRunner:
                 await asyncio.sleep(min(max(delay, 0.1), 30.0))
 
     async def episode(self, client: Any, rest: httpx.AsyncClient, model: str, row: DatasetRow, group: str,
-                      seed: int | None, on_episode: Callable[[EpisodeResult], None] | None = None) -> EpisodeResult:
+                      seed: int | None, on_episode: Callable[[EpisodeResult], None] | None = None, *,
+                      stop: Flag | None = None) -> EpisodeResult:
         s = self.settings
         meta = {"env": self.env.name, **({"serve_only": True} if s.serve_only else {})}
         state = self.env.reset(row)
-        final_text, turns, error, sid = "", 0, None, ""
+        final_text, turns, error, sid, cut = "", 0, None, "", False
         try:
             sid = (await _post(rest, "/sessions", {"group_id": group, "metadata": meta})).json()["id"]
             for turn in range(self.env.max_turns):
                 turns = turn + 1
                 resp = await self._create(
-                    client, model=model, messages=state.messages, tools=state.tools or None, temperature=s.temperature,
-                    max_tokens=s.max_tokens, seed=None if seed is None else seed + turn,
+                    client, stop, model=model, messages=state.messages, tools=state.tools or None,
+                    temperature=s.temperature, max_tokens=s.max_tokens, seed=None if seed is None else seed + turn,
                     extra_headers={"X-Session-Id": sid},
                     metadata={"serve_only": "true"} if s.serve_only else None)
                 msg = resp.choices[0].message
@@ -159,19 +182,21 @@ class AgentRunner:
                     state.messages.append({"role": "tool", "tool_call_id": call.id,
                                            "content": self.env.step(state, call.function.name, call.function.arguments)})
             reward = self.env.reward(state, final_text)
+        except EpisodeCut:
+            reward, cut = 0.0, True
         except Exception as e:  # noqa: BLE001 - an episode that failed is reported, with reward 0
             reward, error = 0.0, repr(e)[:500]
             log.warning("episode %s failed: %s", sid, error)
         try:
-            if s.post_rewards and error is None:
+            if s.post_rewards and error is None and not cut:
                 await _post(rest, f"/sessions/{sid}/reward", {"reward": reward, "idempotency_key": f"{sid}-final"})
             if sid:
                 await _post(rest, f"/sessions/{sid}/close", {})
         except Exception as e:  # noqa: BLE001 - one episode's failure is its own, never the whole run's
             error = error or repr(e)[:500]
-            log.warning("episode %s: finishing failed: %s", sid, error)
+            log.log(logging.DEBUG if cut else logging.WARNING, "episode %s: finishing failed: %s", sid, error)
         result = EpisodeResult(session_id=sid, group_id=group, reward=reward, turns=turns,
-                               tool_calls=state.tool_calls, final_text=final_text, error=error)
+                               tool_calls=state.tool_calls, final_text=final_text, error=error, cut=cut)
         if on_episode is not None:
             on_episode(result)
         return result

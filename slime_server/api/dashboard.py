@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import httpx
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from slime_server.api.deps import Admin, gateway_of
 from slime_server.gateway.core import Gateway
@@ -26,6 +26,7 @@ from slime_server.gateway.errors import APIError
 from slime_server.gateway.protocol import ErrorResponse
 from slime_server.gateway.threads import in_thread
 from slime_server.rollout.engine_info import engine_weight_version_async
+from slime_server.rollout.protocol import LoadsResponse
 
 STATIC = Path(str(resources.files("slime_server.api") / "dashboard_static"))
 PROBE_TIMEOUT_S = 2.0  # a stuck engine must not stall the page's 2 s poll for long
@@ -74,7 +75,7 @@ class EnginesView(BaseModel):
 
 
 async def _probe(http: httpx.AsyncClient, url: str, router_healthy: bool | None, router_load: int | None) -> EngineInfo:
-    """One engine's /health, /get_load and the weight version of /model_info (SGLang's routes; each may be
+    """One engine's /health, its load and the weight version of /model_info (SGLang's routes; each may be
     missing)."""
     info = EngineInfo(url=url, router_healthy=router_healthy, router_load=router_load, healthy=False)
     try:
@@ -83,17 +84,29 @@ async def _probe(http: httpx.AsyncClient, url: str, router_healthy: bool | None,
         info.error = f"health: {type(e).__name__}"
         return info
     try:
-        r = await http.get(f"{url}/get_load", timeout=PROBE_TIMEOUT_S)
-        if r.status_code == 200:
-            body = r.json()
-            ranks = body if isinstance(body, list) else [body]  # one entry per data-parallel rank
-            total = sum(int(x.get("num_reqs", 0)) for x in ranks)
-            info.waiting_reqs = sum(int(x.get("num_waiting_reqs", 0)) for x in ranks)
-            info.running_reqs = max(0, total - info.waiting_reqs)
+        load = await _engine_load(http, url)
+        if load is not None:
+            info.running_reqs, info.waiting_reqs = load
         info.weight_version = await engine_weight_version_async(http, url, timeout=PROBE_TIMEOUT_S)
-    except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:
+    except (httpx.HTTPError, ValidationError, ValueError, TypeError, AttributeError) as e:
         info.error = f"load: {type(e).__name__}"
     return info
+
+
+async def _engine_load(http: httpx.AsyncClient, url: str) -> tuple[int, int] | None:
+    """(running, waiting) requests over the engine's DP ranks: SGLang 0.5.23's ``/v1/loads``, else the
+    ``/get_load`` of earlier releases (a list of ``{num_reqs, num_waiting_reqs}`` per rank); None: neither."""
+    r = await http.get(f"{url}/v1/loads", params={"include": "core"}, timeout=PROBE_TIMEOUT_S)
+    if r.status_code == 200:
+        loads = LoadsResponse.model_validate_json(r.content).loads
+        return sum(x.num_running_reqs for x in loads), sum(x.num_waiting_reqs for x in loads)
+    r = await http.get(f"{url}/get_load", timeout=PROBE_TIMEOUT_S)
+    if r.status_code != 200:
+        return None
+    body = r.json()
+    ranks = body if isinstance(body, list) else [body]
+    waiting = sum(int(x.get("num_waiting_reqs", 0)) for x in ranks)
+    return max(0, sum(int(x.get("num_reqs", 0)) for x in ranks) - waiting), waiting
 
 
 @api.get("/engines", response_model=EnginesView)

@@ -46,6 +46,7 @@ class _Running:
     def __init__(self, loop: TrainLoop, thread: threading.Thread, tb: Any, evaluator: Evaluator) -> None:
         self.loop, self.thread, self.tb, self.evaluator = loop, thread, tb, evaluator
         self.driver: threading.Thread | None = None
+        self.dataset: DatasetDriver | None = None  # what the driver thread runs (stopped at the job's end)
         self.rollout_only: Callable[[], None] | None = None  # train false: the job is this, not the loop
         self.pacing: PacingSpec | None = None  # /v1's pacing while it runs: only a job that consumes the buffer
 
@@ -263,7 +264,8 @@ class JobManager:
                 raise JobError(400, "this server cannot run dataset jobs (no gateway URL)", "no_gateway")
             driver = DatasetDriver(spec, loop, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d))
         tb = self._job_log(row, spec, job_dir, restoring)  # last: nothing after it can fail and leak a W&B run
-        evaluator = Evaluator(spec.eval, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d), tb)
+        evaluator = Evaluator(spec.eval, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d), tb,
+                              job_stop=loop.stop)
         run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb,
                        evaluator)
         # rollout-only and file-fed jobs (SFT conversations, replay) consume nothing from the buffer
@@ -271,6 +273,7 @@ class JobManager:
         if driver is not None and not spec.train:
             run.rollout_only = lambda: driver.run(passes=spec.data.epochs)
         elif driver is not None:
+            run.dataset = driver
             run.driver = threading.Thread(target=driver.run, name=f"driver-{row.id}", daemon=True)
         with self._lock:
             self._running[row.id] = run
@@ -307,6 +310,21 @@ class JobManager:
             self._event(row.id, "wandb_failed", {"error": repr(e)[:500]})
             return JobLog.open(job_dir, row.id)
 
+    def _reached_end(self, job_id: str, loop: TrainLoop) -> bool:
+        return self._row(job_id).status in ("running", "paused") and not loop.stop.is_set()
+
+    def _wind_down(self, run: _Running) -> None:
+        """A job that reached its end, before it is marked completed: its episodes stop (none may outlive
+        it: whoever waits for ``completed`` may stop the server next), its last checkpoint is written, and
+        the evaluation due at its last step runs and reports (after a round still in progress). A cancel
+        meanwhile cuts the evaluation short."""
+        if run.dataset is not None and run.driver is not None:
+            run.dataset.stop()
+            run.driver.join(timeout=120)
+        if run.loop.trainer is not None:
+            run.loop.checkpoint()
+        run.evaluator.finish()
+
     def _run(self, job_id: str) -> None:
         run = self._running[job_id]
         loop = run.loop
@@ -319,10 +337,9 @@ class JobManager:
                 run.rollout_only()
             else:
                 loop.run()
-            final = self._row(job_id).status
-            if final in ("running", "paused") and not loop.stop.is_set():  # max_steps reached, or the data ran out
-                if loop.trainer is not None:
-                    loop.checkpoint()
+            if self._reached_end(job_id, loop):  # max_steps reached, or the data ran out
+                self._wind_down(run)
+            if self._reached_end(job_id, loop):  # not cancelled meanwhile
                 self.jobs.update_job(job_id, status="completed", state=loop.state.model_dump())
                 self._event(job_id, "completed", {"step": loop.state.step})
             else:

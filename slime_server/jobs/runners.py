@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +16,22 @@ from slime_server.jobs.spec import EvalSpec, JobSpec
 from slime_server.trainer.loop import TrainLoop
 
 log = logging.getLogger(__name__)
+
+
+class _Either:
+    """Set when any of its events is (a driver stops with its loop's stop, or alone at the job's end)."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_set() and time.monotonic() < deadline:
+            self.events[0].wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self.is_set()
 
 
 class DatasetDriver:
@@ -32,25 +50,34 @@ class DatasetDriver:
             concurrency=d.concurrency, temperature=d.temperature, max_tokens=d.max_tokens))
         self.loop, self.on_event = loop, on_event
         self.episodes = 0
+        self.halt = threading.Event()  # set with the loop's stop, or alone when the job reaches its end
+
+    def stop(self) -> None:
+        """No new round; the round in flight makes no new call (join the thread that runs ``run``: it ends once
+        the calls in flight are answered and recorded)."""
+        self.halt.set()
 
     def run(self, passes: int | None = None) -> None:
         """Play rounds until the loop stops, or (``passes``) until every row was played that many times."""
-        import asyncio
-
         i = 0
         total = None if passes is None else passes * len(self.rows)
-        while not self.loop.stop.is_set() and (total is None or i < total):
+        stopping = _Either(self.loop.stop, self.halt)
+        while not stopping.is_set() and (total is None or i < total):
             if self.loop.paused.is_set():
-                self.loop.stop.wait(0.2)
+                stopping.wait(0.2)
                 continue
             n = self.per_round if total is None else min(self.per_round, total - i)
             chunk = [self.rows[(i + k) % len(self.rows)] for k in range(n)]
             try:
-                summary = asyncio.run(self.runner.run(chunk))
+                summary = asyncio.run(self.runner.run(chunk, stop=stopping))
             except Exception as e:  # noqa: BLE001 - the server may be going down; retry unless stopping
+                if stopping.is_set():
+                    break
                 log.warning("dataset episodes failed: %r", e)
-                self.loop.stop.wait(1.0)
+                stopping.wait(1.0)
                 continue
+            if summary.cut:  # the job ended meanwhile: its in-flight turns were recorded, nothing more is sent
+                break
             i += n
             self.episodes += summary.episodes
             self.on_event("episodes", {"episodes": summary.episodes, "total": self.episodes,
@@ -62,13 +89,16 @@ class Evaluator:
     """Runs the job's eval sets in the background (one round at a time) and reports per version."""
 
     def __init__(self, specs: list[EvalSpec], base_url: str | None, api_key: str | None,
-                 on_event: Callable[[str, dict[str, Any]], None], tb: Any) -> None:
+                 on_event: Callable[[str, dict[str, Any]], None], tb: Any,
+                 job_stop: threading.Event | None = None) -> None:
         self.specs, self.base_url, self.api_key, self.on_event, self.tb = specs, base_url, api_key, on_event, tb
+        self._job_stop = job_stop or threading.Event()  # the job's loop stop: a cancel cuts the round at once
         self._lock = threading.Lock()
         self._running = False
         self._closed = False
         self._thread: threading.Thread | None = None
         self._pending: tuple[list[EvalSpec], int, int] | None = None  # the newest round that came due meanwhile
+        self._cut = threading.Event()  # set by close: the round in progress stops where it is
 
     def maybe_run(self, step: int, version: int) -> None:
         due = [e for e in self.specs if step % e.every_steps == 0]
@@ -84,11 +114,24 @@ class Evaluator:
             self._thread = threading.Thread(target=self._loop, args=(due, step, version), name="eval", daemon=True)
             self._thread.start()
 
+    def finish(self) -> None:
+        """The job reached its last step: let the round in progress and the one that came due meanwhile (the
+        last step's) run and report, so they are in before the job is marked completed. Returns when no round
+        is left, or once the job is stopped (a cancel: the round is cut)."""
+        while not self._job_stop.is_set():
+            with self._lock:
+                thread = self._thread if self._running else None
+            if thread is None:
+                return
+            thread.join(0.2)
+
     def close(self, timeout: float = 120.0) -> None:
-        """No new rounds; wait for the one in progress (its sessions must not outlive the job)."""
+        """No new rounds, none pending; the round in progress makes no new call and is not reported (its
+        sessions must not outlive the job)."""
         with self._lock:
             self._closed, self._pending = True, None
             thread = self._thread
+        self._cut.set()
         if thread is not None:
             thread.join(timeout)
 
@@ -102,8 +145,6 @@ class Evaluator:
                     self._running = False
 
     def _run(self, specs: list[EvalSpec], step: int, version: int) -> None:
-        import asyncio
-
         try:
             for e in specs:
                 env = get_environment(e.environment)
@@ -114,10 +155,12 @@ class Evaluator:
                     concurrency=e.concurrency, temperature=e.temperature, max_tokens=e.max_tokens, seed=e.seed,
                     post_rewards=False, serve_only=True))
                 try:
-                    summary = asyncio.run(runner.run(rows))
+                    summary = asyncio.run(runner.run(rows, stop=_Either(self._job_stop, self._cut)))
                 except Exception as exc:  # noqa: BLE001 - reported, never kills the job
                     self.on_event("eval_failed", {"name": e.name, "step": step, "error": repr(exc)[:500]})
                     continue
+                if summary.cut:  # the job was cancelled or the server is stopping: a partial round is no score
+                    return
                 self.on_event("eval", {"name": e.name, "step": step, "version": version,
                                        "success_rate": summary.success_rate, "mean_reward": summary.mean_reward,
                                        "episodes": summary.episodes, "errors": summary.errors})

@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -35,6 +36,8 @@ from slime_server.rollout.protocol import (
     ErrorBody,
     GenerateOutput,
     GenerateReqInput,
+    LoadSnapshot,
+    LoadsResponse,
     PauseGenerationReqInput,
     SamplingParams,
 )
@@ -238,7 +241,17 @@ def create_app(engine: CPUEngine, served_model_name: str | None = None,
                 "num_generate_requests": counters["generate"],
                 "internal_states": [{**engine.stats, **engine.load(), "paused": engine.paused}]}
 
-    @app.get("/get_load")
+    @app.get("/v1/loads", response_model=LoadsResponse)
+    async def v1_loads() -> LoadsResponse:
+        """SGLang 0.5.23's load route: one ``LoadSnapshot`` per DP rank (its core fields this engine has)."""
+        load = engine.load()
+        return LoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(), version=SERVER_VERSION,
+            loads=[LoadSnapshot(num_running_reqs=load["num_running_reqs"], num_waiting_reqs=load["num_waiting_reqs"],
+                                max_running_requests=engine.config.max_running_requests,
+                                max_total_num_tokens=engine.max_total_tokens)])
+
+    @app.get("/get_load")  # what sgl-router 0.3.2 polls (SGLang 0.5.23 no longer serves it)
     async def get_load() -> list[dict[str, int]]:
         load = engine.load()
         return [{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],

@@ -323,6 +323,27 @@ SGLANG_ROUTES: list[tuple[str, str, type[BaseModel] | None]] = [
 ]
 
 
+class LoadSnapshot(_Lenient):
+    """One data-parallel rank's load in SGLang's ``/v1/loads`` (``managers/load_snapshot.LoadSnapshot``, the
+    core fields we read; SGLang sends more, ignored)."""
+
+    dp_rank: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    max_running_requests: int = 0
+    max_total_num_tokens: int = 0
+
+
+class LoadsResponse(_Lenient):
+    """SGLang 0.5.23's ``GET /v1/loads`` (``entrypoints/v1_loads.py``): per-rank loads and who answers."""
+
+    timestamp: str
+    version: str
+    accelerator: str | None = None
+    num_accelerators: int = 0
+    loads: list[LoadSnapshot]
+
+
 class UpdateWeightsResult(BaseModel):
     """SGLang's response shape for every weight-update endpoint (``num_paused_requests``: disk only)."""
 

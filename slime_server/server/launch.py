@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_server.config import EngineSettings, ServerSettings, SetupError, TrainerSettings
+from slime_server.demo_learning import WARM_START_MODEL, calculator_warm_start
 from slime_server.models.registry import MODELS, fetch_model
 from slime_server.models.tiny import ensure_tiny_model
 from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, log_path_for
@@ -28,10 +29,13 @@ log = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str) -> str:
-    """``"tiny"`` -> the cached built-in tiny model; a registry name (``"smollm2"``) that is not a local path ->
+    """``"tiny"`` -> the cached built-in tiny model; ``"tiny-calc"`` -> its calculator warm start (built once,
+    cached); a registry name (``"smollm2"``) that is not a local path ->
     its converted directory (fetched once); anything else is used as given."""
     if model == "tiny":
         return str(ensure_tiny_model())
+    if model == WARM_START_MODEL:  # the demo's warm start: a tiny model that already earns calculator reward
+        return str(calculator_warm_start())
 
     if model in MODELS and not Path(model).exists():
         return str(fetch_model(model))
