@@ -73,7 +73,7 @@ def real_model_path() -> Path:
 LONGEST_FIRST = ["test_demo_learning.py", "test_jobs_e2e.py", "test_demo_and_serve.py", "test_trainer_tp.py",
                  "test_real_model.py", "test_online_e2e.py", "test_two_nodes.py", "test_soak.py",
                  "test_harnesses.py", "test_engine_faults.py",
-                 "test_engine_key_deploy.py", "test_training_modes.py"]
+                 "test_engine_key_deploy.py", "test_training_modes.py", "test_structured_outputs.py"]
 # last: they wait for the demo's warm start, which test_demo_learning builds first on an empty cache (~9 min)
 LAST = ["test_rejection_sampling.py", "test_first_contact.py"]
 

@@ -113,6 +113,20 @@ def test_continuation_is_registered_before_it_is_sent_and_an_abort_then_stops_it
     assert outs[0].output_ids == [7, 8] and outs[0].meta_info.finish_reason.type == "abort"
 
 
+def test_a_constrained_sample_is_generated_again_not_continued() -> None:
+    """Issue 42: a sample decoded under a grammar cannot go on from prompt + its tokens (the grammar would start
+    again at the cut): after an engine-side abort it is generated again from its prompt, whole."""
+    eng = _Engine([_out([7, 8], [("1", 0, 2)], "abort", rid="chat-g")])
+    params = {"max_new_tokens": 5, "n": 1, "sampling_seed": 10, "json_schema": '{"type": "object"}'}
+    outs, continued = asyncio.run(generate_continuing(eng.generate, PROMPT, params, rid="chat-g",
+                                                      aborted_by_us=eng.aborted.__contains__,
+                                                      max_continuations=2, register=eng.register))
+    again = eng.calls[1]
+    assert continued == 1 and again["input_ids"] == PROMPT and again["params"]["max_new_tokens"] == 5
+    assert again["params"]["json_schema"] == '{"type": "object"}' and again["params"]["sampling_seed"] != 10
+    assert outs[0].output_ids == [0, 1, 2, 3, 4]  # the second answer alone, not spliced onto the first
+
+
 def test_a_sample_aborted_before_it_is_sent_is_not_sent() -> None:
     eng = _Engine()
 

@@ -145,6 +145,9 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         "messages": system_messages(req.system) + chat_messages(req.messages),
         "tools": tools,
         "tool_choice": chat_tool_choice(req.tool_choice, bool(tools)),
+        "response_format": ({"type": "json_schema", "json_schema": {"name": "output",
+                                                                      "schema": req.output_config.format.schema_}}
+                            if req.output_config and req.output_config.format else None),
         "max_tokens": req.max_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,

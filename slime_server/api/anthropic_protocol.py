@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from slime_server.gateway.protocol import WireModel
 
@@ -96,6 +96,19 @@ class ToolChoiceParam(WireModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class JSONOutputFormat(WireModel):
+    """Structured outputs: the answer's text is JSON valid against ``schema`` (decoded under it)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(WireModel):
+    effort: str | None = Field(None, description="accepted; this server's models have no effort setting")
+    format: JSONOutputFormat | None = None
+
+
 class MessagesRequest(WireModel):
     model: str
     messages: list[MessageParam] = Field(min_length=1)
@@ -110,6 +123,7 @@ class MessagesRequest(WireModel):
     tool_choice: ToolChoiceParam | None = None
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = Field(None, description="accepted; the model's reasoning parser decides")
+    output_config: OutputConfig | None = None
 
 
 class CountTokensRequest(WireModel):

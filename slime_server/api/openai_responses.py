@@ -115,9 +115,14 @@ def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
 
 
 def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]], new: list[dict[str, Any]]) -> ChatCompletionRequest:
-    if req.text and req.text.format and req.text.format.type != "text":
-        raise APIError(400, f"text.format {req.text.format.type!r} is not supported by the inference engine of this "
-                       "server", param="text.format", code="unsupported_parameter")
+    fmt = req.text.format if req.text else None
+    response_format: dict[str, Any] | None = None
+    if fmt is not None and fmt.type == "json_object":
+        response_format = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":  # Responses flattens Chat's json_schema object
+        extra = fmt.model_extra or {}
+        response_format = {"type": "json_schema", "json_schema": {
+            k: extra[k] for k in ("name", "schema", "strict", "description") if k in extra}}
     tools = chat_tools(req)
     choice: Any = req.tool_choice
     if isinstance(choice, FunctionToolChoice):
@@ -127,7 +132,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]], new: l
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body = {"model": req.model, "messages": system + history + new, "tools": tools, "tool_choice": choice,
             "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-            "metadata": req.metadata}
+            "metadata": req.metadata, "response_format": response_format}
     return canonical_request(body)
 
 

@@ -138,6 +138,10 @@ class Turn(BaseModel):
     output_end: int
     finish_reason: str | None = None
     tool_calls: list[ToolCallRef] = Field(default_factory=list)
+    grammar: dict[str, str] | None = Field(
+        None, description="the SGLang grammar (json_schema or ebnf) its tokens were decoded under. Such tokens "
+        "have loss mask 0: their recorded log-probs are the grammar-masked distribution's, which the trainer does "
+        "not compute yet (on SmolLM2 they exceed the unmasked policy's by 3.0 nats a token on average)")
     created_at: float = Field(default_factory=now)
 
 

@@ -155,6 +155,13 @@ def _shift_seed(params: dict[str, Any], k: int) -> dict[str, Any]:
     return params
 
 
+def constrained(params: dict[str, Any]) -> bool:
+    """Whether a sample decodes under a grammar (SGLang's four fields). Such a sample is never continued from
+    prompt + its tokens so far: the grammar would start again at the cut, so a non-streamed one is generated again
+    from its prompt and a streamed one that the client has part of fails."""
+    return any(params.get(k) for k in ("json_schema", "regex", "ebnf", "structural_tag"))
+
+
 def _aborted_before_sending(rid: str, prompt_len: int) -> GenerateOutput:
     """What an engine answers for a request aborted in its queue: no token, finish ``abort``."""
     return GenerateOutput(text="", output_ids=[], meta_info=MetaInfo(
@@ -245,8 +252,11 @@ async def _one_sample(generate: _Retrying, input_ids: list[int], params: dict[st
             register(sub_rid)
             if aborted_by_us(rid):  # the abort came while we registered: do not send
                 break
-        more = await generate(input_ids + out.output_ids, more_params, sub_rid, kw)
-        out = splice(out, more, token_bytes)
+        if constrained(params):  # its grammar would start again at the cut: generate the sample again instead
+            out = await generate(input_ids, _shift_seed(dict(params), len(out.output_ids) + 1), sub_rid, kw)
+        else:
+            more = await generate(input_ids + out.output_ids, more_params, sub_rid, kw)
+            out = splice(out, more, token_bytes)
         continued += 1
     return out, continued
 
@@ -331,6 +341,9 @@ async def stream_samples(stream: StreamOne, input_ids: list[int], params: dict[s
             while True:
                 if so_far is None:
                     prompt, call = input_ids, sample
+                elif constrained(sample):  # the client has part of it; its grammar cannot resume at the cut
+                    raise EngineError(502, "the engine stopped a constrained generation part-way; it cannot be "
+                                      "continued", code="engine_error")
                 else:  # a fresh but reproducible stream for the rest, as generate_continuing's
                     prompt, call = input_ids + so_far.output_ids, _shift_seed(dict(sample), len(so_far.output_ids))
                     if budget is not None:

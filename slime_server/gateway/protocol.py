@@ -103,6 +103,34 @@ class StreamOptions(WireModel):
     include_usage: bool = False
 
 
+class JSONSchemaSpec(WireModel):
+    """``response_format.json_schema``: the schema the answer must validate against (always enforced, ``strict``
+    or not: the engines decode under it)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextResponseFormat(WireModel):
+    type: Literal["text"]
+
+
+class JSONObjectResponseFormat(WireModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(WireModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[TextResponseFormat | JSONObjectResponseFormat | JSONSchemaResponseFormat,
+                           Field(discriminator="type")]
+
+
 # ----------------------------------------------------------------------------- chat request
 
 
@@ -111,6 +139,7 @@ class ChatCompletionRequest(WireModel):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)

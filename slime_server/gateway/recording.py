@@ -30,6 +30,7 @@ class ChoiceOutcome:
     weight_version: int | str | list[int | str] | None
     finish_reason: str  # engine's: stop | length | abort
     message: ResponseMessage
+    grammar: dict[str, str] | None = None  # the sampling_params grammar it was decoded under (constraints.py)
 
 
 async def prepare_turn(sessions: Any, session_id: str | None, messages: list[dict[str, Any]],
@@ -70,7 +71,7 @@ async def commit_turn(sessions: Any, prepared: Any, outcomes: list[ChoiceOutcome
         ChoiceResult(
             output_ids=o.output_ids, output_logprobs=o.output_logprobs, weight_version=o.weight_version,
             finish_reason=o.finish_reason, message=o.message.model_dump(exclude_none=True),
-            response_id=response_id, usage=usage.model_dump(),
+            response_id=response_id, usage=usage.model_dump(), grammar=o.grammar,
         )
         for o in outcomes
     ]

@@ -87,6 +87,7 @@ class ChoiceResult(BaseModel):
     message: dict[str, Any] = Field(default_factory=dict)
     response_id: str
     usage: dict[str, Any] = Field(default_factory=dict)
+    grammar: dict[str, str] | None = None
 
     @field_validator("message", mode="before")
     @classmethod
@@ -330,11 +331,13 @@ class SessionManager:
         output_start = prompt_start + len(context)
         assistant = choice.assistant()
         tokens = traj.tokens + context + choice.output_ids
-        mask = traj.loss_mask + [0] * len(context) + [1] * len(choice.output_ids)
+        # a turn decoded under a grammar is kept out of the loss (buffer/schema.py: Turn.grammar)
+        mask = traj.loss_mask + [0] * len(context) + [0 if choice.grammar else 1] * len(choice.output_ids)
         logprobs = traj.rollout_logprobs + [0.0] * len(context) + list(choice.output_logprobs)
         versions = traj.weight_versions + [NOT_GENERATED] * len(context) + choice.versions()
         turn = Turn(response_id=choice.response_id, choice=index, prompt_start=prompt_start, output_start=output_start,
-                    output_end=len(tokens), finish_reason=choice.finish_reason, tool_calls=assistant.tool_calls)
+                    output_end=len(tokens), finish_reason=choice.finish_reason, tool_calls=assistant.tool_calls,
+                    grammar=choice.grammar)
         traj.tokens, traj.loss_mask, traj.rollout_logprobs, traj.weight_versions = tokens, mask, logprobs, versions
         traj.turns = [*traj.turns, turn]
         traj.turn_rewards = [*traj.turn_rewards, None]

@@ -23,7 +23,7 @@ from typing import Any
 import jsonschema
 from pydantic import ValidationError
 
-from slime_server.gateway import recording
+from slime_server.gateway import constraints, recording
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError, bad_request
 from slime_server.gateway.principal import Principal
@@ -42,7 +42,6 @@ from slime_server.gateway.sessions_resolve import resolve_session
 from slime_server.gateway.token_text import final_text, token_string
 from slime_server.rollout.protocol import GenerateOutput
 
-TOOL_PREFILL = '<tool_call>\n{"name": "'
 MIN_TOP_P = 1e-6  # smaller top_p values are sent as this (see sampling_params)
 
 
@@ -206,14 +205,15 @@ def answer_text(gw: Gateway, out: GenerateOutput) -> str:
     return final_text(out.text, out.output_ids, gw.renderer.token_bytes, stopped_by_token=by_token)
 
 
-def outcome(out: GenerateOutput, index: int, message: ResponseMessage) -> recording.ChoiceOutcome:
+def outcome(out: GenerateOutput, index: int, message: ResponseMessage,
+            grammar: dict[str, str] | None = None) -> recording.ChoiceOutcome:
     mi = out.meta_info
     logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in (mi.output_token_logprobs or [])]
     versions = mi.token_versions(len(out.output_ids))
     return recording.ChoiceOutcome(index=index, output_ids=list(out.output_ids), output_logprobs=logprobs,
                                    weight_version=versions,
                                    finish_reason=mi.finish_reason.type if mi.finish_reason else "abort",
-                                   message=message)
+                                   message=message, grammar=grammar)
 
 
 # ----------------------------------------------------------------------------- request flow
@@ -242,12 +242,9 @@ class ChatTurn:
         self.side = side
         self.response_id = response_id or new_id("chatcmpl")
         choice = req.tool_choice
-        self.prefill = ""
-        if choice == "required":
-            self.prefill = TOOL_PREFILL
-        elif isinstance(choice, NamedToolChoice):
-            # cut after '":' (a pre-token boundary): a trailing space would tokenize unlike ' {"'
-            self.prefill = TOOL_PREFILL + choice.function.name + '", "arguments":'
+        # a forced tool call or a response format: a prefilled call opening and the grammar (constraints.py)
+        self.constraint = constraints.plan(gw.tool_parser, req.tools, choice, req.response_format)
+        self.prefill = self.constraint.prefill
         self.parse_tools = bool(req.tools) and choice != "none"
         self.prepared: Any = None
 
@@ -271,6 +268,7 @@ class ChatTurn:
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, stop=req.stop,
             seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, ignore_eos=req.ignore_eos)
+        params.update(self.constraint.grammar or {})
         return {"input_ids": prompt_ids, "sampling_params": params,
                 "top_logprobs_num": (req.top_logprobs or 0) if req.logprobs else 0}
 
@@ -281,7 +279,8 @@ class ChatTurn:
 
     async def record(self, outs: list[GenerateOutput], messages: list[ResponseMessage]) -> Usage:
         usage = self.usage(outs)
-        outcomes = [outcome(o, i, m) for i, (o, m) in enumerate(zip(outs, messages, strict=True))]
+        outcomes = [outcome(o, i, m, self.constraint.grammar) for i, (o, m) in enumerate(zip(outs, messages,
+                                                                                             strict=True))]
         await recording.commit_turn(self.gw.sessions, self.prepared, outcomes, self.response_id, usage)
         return usage
 

@@ -40,13 +40,13 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, Field
 
+from slime_server.rollout.engine_config import EngineConfig
 from slime_server.rollout.engine_model import load_engine_model
 from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM, Sequence
+from slime_server.rollout.grammar import EngineGrammars, GrammarError
 from slime_server.rollout.hf_forward import hf_decode, hf_prefill
 from slime_server.rollout.lean_forward import LeanForward
 from slime_server.rollout.prefix_cache import PrefixCache
@@ -63,28 +63,6 @@ from slime_server.utils.procs import name_os_thread
 
 log = logging.getLogger(__name__)
 SCHEDULER_OS_NAME = "slime-engine"  # the scheduler thread's OS name (top -H, /proc/<pid>/task/*/comm)
-
-
-class EngineConfig(BaseModel):
-    """Engine knobs; the CLI flags map onto these one to one."""
-
-    model_path: str
-    max_running_requests: int = Field(32, ge=1)
-    max_total_tokens: int | None = Field(None, ge=1, description="KV tokens reserved by running requests")
-    context_length: int | None = Field(None, ge=1, description="default: config.max_position_embeddings")
-    weight_version: str = "0"
-    seed: int = 0
-    num_threads: int = Field(1, ge=1)
-    forward: Literal["lean", "hf"] = Field("lean", description="lean: the engine's own forward over the model's "
-                                           "parameters (llama/mistral/qwen2/qwen3; others use HF's); hf: HF's "
-                                           "model() with a cache rebuilt per step (the reference)")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights, activations and K/V; bfloat16 "
-                                                  "halves the memory read per token (log-probs are still fp32)")
-    decode_kernel: Literal["c", "torch"] = Field("c", description="c: the decode step's matmuls through gemv.c, "
-                                                 "built for this CPU on first use (AVX-512; torch's where it cannot "
-                                                 "be built); torch: torch's kernels throughout (the reference)")
-    prefix_cache_mb: float = Field(512.0, ge=0, description="MiB of K/V of finished generations kept for prompts "
-                                   "that start with them (lean forward only; 0: off); cleared on weight updates")
 
 
 class BadRequest(ValueError):
@@ -161,6 +139,9 @@ class CPUEngine:
         self.weight_bytes = loaded.weight_bytes
         budget = int(config.prefix_cache_mb * 2**20 / self.lean.kv_bytes_per_token) if self.lean else 0
         self.prefix_cache = PrefixCache(budget) if budget > 0 else None
+        self.grammars = EngineGrammars(config.grammar_backend == "xgrammar", self.tokenizer, self.vocab_size,
+                                       sorted(self.eos_ids), any_whitespace=not config.constrained_json_disable_any_whitespace,
+                                       max_whitespace_cnt=config.constrained_json_max_whitespace_cnt)
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs_num: int = 0,
@@ -194,10 +175,19 @@ class CPUEngine:
         room = max(self.context_length - len(prompt_ids), 0)
         return params.model_copy(update={"max_new_tokens": room})
 
+    def attach_grammars(self, seqs: list[Sequence]) -> None:
+        """Give each sequence with a grammar its matcher (``EngineGrammars.attach``: slow for a new schema, call it
+        off the event loop before ``submit``); a grammar the engine cannot honour is a BadRequest naming it."""
+        try:
+            self.grammars.attach(seqs)
+        except GrammarError as e:
+            raise BadRequest(str(e)) from None
+
     def submit(self, seq: Sequence) -> Sequence:
         """Queue a validated sequence; ``seq.on_update`` fires (scheduler thread) per token if streaming
         and once at the end; ``seq.done`` is set when it finishes."""
         self.validate(seq.prompt_ids, seq.params, seq.top_logprobs_num, seq.logprob_start_len)
+        self.attach_grammars([seq])  # a no-op when attached beforehand
         if seq.generator is None:
             seed = seq.params.sampling_seed if seq.params.sampling_seed is not None else self._rng.getrandbits(63)
             seq.generator = torch.Generator().manual_seed(seed)
@@ -236,6 +226,7 @@ class CPUEngine:
                  **kw) -> list[GenerateOutput]:
         """Blocking in-process generation (``n`` results)."""
         seqs = self.new_sequences(prompt_ids, params or SamplingParams(), **kw)
+        self.attach_grammars(seqs)
         for s in seqs:
             self.submit(s)
         for s in seqs:
@@ -463,7 +454,9 @@ class CPUEngine:
         if seq.params.max_new_tokens == 0:
             self._finish(seq, FinishReason(type="length", length=0))
             return
-        self._sample_and_append(seq, logits[-1])
+        last = logits[-1:]
+        self.grammars.mask(last, [seq.grammar])
+        self._sample_and_append(seq, last[0])
 
     def _input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         start = seq.logprob_start_len
@@ -481,6 +474,7 @@ class CPUEngine:
 
     def _decode(self, batch: list[Sequence]) -> None:
         logits = (self.lean.decode(batch) if self.lean is not None else hf_decode(self.model, batch)).float()
+        self.grammars.mask(logits, [s.grammar for s in batch])  # only the constrained rows change
         self.stats["decode_steps"] += 1
         self.last_progress = time.monotonic()
         for b, s in enumerate(batch):
@@ -488,6 +482,9 @@ class CPUEngine:
 
     def _sample_and_append(self, seq: Sequence, logits: torch.Tensor) -> None:
         token, lp, top = sample_token(logits, seq.params, seq.generator, seq.top_logprobs_num)
+        if seq.grammar is not None and not seq.grammar.accept_token(token):  # SGLang aborts it the same way
+            self._finish(seq, FinishReason(type="abort", message=f"Grammar accept_token failed: token {token}"))
+            return
         seq.output_ids.append(token)
         seq.output_logprobs.append(lp)
         if top is not None:
@@ -505,6 +502,8 @@ class CPUEngine:
         if len(seq.output_ids) >= p.max_new_tokens:
             return FinishReason(type="length", length=p.max_new_tokens)
         if not p.ignore_eos and (tok in self.eos_ids or tok in p.stop_token_ids):
+            return FinishReason(type="stop", matched=tok)
+        if seq.grammar is not None and seq.grammar.is_terminated():  # SGLang: FINISH_MATCHED_TOKEN
             return FinishReason(type="stop", matched=tok)
         if p.stop:
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)

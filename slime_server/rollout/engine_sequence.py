@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ class Sequence:
     kv_len: int = 0
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (SGLang's cached_tokens)
     done: threading.Event = field(default_factory=threading.Event)
+    grammar: Any = None  # an xgrammar GrammarMatcher when sampling_params names a grammar (rollout/grammar.py)
 
     @property
     def reserved_tokens(self) -> int:

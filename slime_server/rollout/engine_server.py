@@ -142,6 +142,8 @@ class GenerateHandler:
                 loop.call_soon_threadsafe(queue.put_nowait, (i, snap))
             return on_update
 
+        if any(s.params.json_schema or s.params.regex or s.params.ebnf or s.params.structural_tag for s in seqs):
+            await asyncio.to_thread(self.engine.attach_grammars, seqs)  # compiling a new schema takes a while
         for i, s in enumerate(seqs):
             s.on_update = hook(i)
             self.engine.submit(s)
@@ -314,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-kernel", choices=["c", "torch"], default="c",
                     help="c: decode matmuls through the engine's C kernel, built for this CPU (AVX-512) on first "
                     "use; torch: torch's kernels throughout")
+    ap.add_argument("--grammar-backend", choices=["xgrammar", "none"], default="xgrammar",
+                    help="as SGLang's: what compiles sampling_params' json_schema / regex / ebnf / structural_tag")
+    ap.add_argument("--constrained-json-disable-any-whitespace", action="store_true",
+                    help="as SGLang's: JSON under a schema is compact")
+    ap.add_argument("--constrained-json-max-whitespace-cnt", type=int, default=None,
+                    help="as SGLang's: at most this many whitespace characters in a row in constrained JSON")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--health-check-timeout", type=float, default=HEALTH_GENERATE_TIMEOUT_S,
                     help="/health_generate waits this long for scheduler progress (SGLang: 20 s)")
@@ -349,7 +357,9 @@ def main(argv: list[str] | None = None) -> None:
                           max_total_tokens=args.max_total_tokens, context_length=args.context_length,
                           weight_version=args.weight_version, seed=args.seed, num_threads=args.num_threads,
                           forward=args.forward, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype,
-                          decode_kernel=args.decode_kernel)
+                          decode_kernel=args.decode_kernel, grammar_backend=args.grammar_backend,
+                          constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
+                          constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt)
     engine = CPUEngine(config)
 
     @asynccontextmanager

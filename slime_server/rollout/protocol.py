@@ -29,8 +29,7 @@ class _Lenient(BaseModel):
 # request that sets one to anything else gets a clear 400 instead of a silently different sample.
 UNSUPPORTED_SAMPLING: dict[str, Any] = {
     "stop_regex": None, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_new_tokens": 0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-    "logit_bias": None, "custom_params": None, "beam_width": None, "watermark": None, "choice": None,
+    "min_new_tokens": 0, "logit_bias": None, "custom_params": None, "beam_width": None, "watermark": None, "choice": None,
 }
 
 
@@ -62,10 +61,11 @@ class SamplingParams(BaseModel):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    structural_tag: Any = None
+    json_schema: str | None = Field(None, description="constrain the output to this JSON schema (text); "
+                                    "$$ANY$$: any JSON value (rollout/grammar.py)")
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
     logit_bias: Any = None
     custom_params: Any = None
     beam_width: Any = None
@@ -73,6 +73,17 @@ class SamplingParams(BaseModel):
     choice: Any = None
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("json_schema", "regex", "ebnf", "structural_tag")
+    @classmethod
+    def _empty_is_none(cls, v: str | None) -> str | None:
+        return v or None  # SGLang's normalisation: an empty grammar is none
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingParams:
+        if sum(g is not None for g in (self.json_schema, self.regex, self.ebnf, self.structural_tag)) > 1:
+            raise ValueError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")  # SGLang's words
+        return self
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> SamplingParams:
