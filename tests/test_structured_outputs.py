@@ -209,9 +209,10 @@ def test_what_cannot_be_honoured_is_a_400_in_each_api(gateway: GatewayProc, sche
     assert why in e.value.body["message"]
 
 
-def test_a_constrained_turn_is_recorded_with_its_grammar_and_kept_out_of_the_loss(gateway: GatewayProc) -> None:
-    """Its log-probs are the grammar-masked distribution's, which the trainer does not compute (yet): its tokens
-    are recorded with loss mask 0 and the grammar on the turn; an unconstrained turn beside it trains as before."""
+def test_a_constrained_turn_is_recorded_with_its_grammar(gateway: GatewayProc) -> None:
+    """Its log-probs are the grammar-masked distribution's: the grammar is recorded on the turn (the trainer
+    rebuilds the masks from it, tests/test_grammar_training.py) and its tokens are stored at loss mask 0 (for
+    consumers that cannot); an unconstrained turn beside it is stored as before."""
     from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 
     c = openai_client(gateway)

@@ -139,9 +139,10 @@ class Turn(BaseModel):
     finish_reason: str | None = None
     tool_calls: list[ToolCallRef] = Field(default_factory=list)
     grammar: dict[str, str] | None = Field(
-        None, description="the SGLang grammar (json_schema or ebnf) its tokens were decoded under. Such tokens "
-        "have loss mask 0: their recorded log-probs are the grammar-masked distribution's, which the trainer does "
-        "not compute yet (on SmolLM2 they exceed the unmasked policy's by 3.0 nats a token on average)")
+        None, description="the SGLang grammar (json_schema or ebnf) its tokens were decoded under. Their recorded "
+        "log-probs are the grammar-masked distribution's, so they are stored at loss mask 0 (a consumer that cannot "
+        "apply the grammar leaves them out); this server's trainer rebuilds the masks and trains on them under the "
+        "same masks (trainer/grammar_masks.py)")
     created_at: float = Field(default_factory=now)
 
 

@@ -31,6 +31,7 @@ from slime_server.jobs.errors import JobError
 from slime_server.jobs.metrics import JOB_DROPPED, JOB_METRIC, JOB_STEP, JOB_VERSION
 from slime_server.jobs.runners import DatasetDriver, Evaluator
 from slime_server.jobs.spec import ACTIVE, EvalSpec, JobSpec, JobView, PacingSpec, view
+from slime_server.trainer.grammar_masks import GrammarMasker
 from slime_server.trainer.loop import BatchSource, EngineControl, Trainer, TrainLoop
 from slime_server.trainer.selection import Rejection
 from slime_server.trainer.settings import LoopState
@@ -253,7 +254,8 @@ class JobManager:
                          job_dir / "checkpoints", state=LoopState.model_validate(row.state), on_step=on_step,
                          on_event=on_event, job_id=row.id, source=self._source(spec),
                          supervised=spec.algorithm == "sft",
-                         rejection=Rejection(**spec.rejection.model_dump()) if spec.rejection else None)
+                         rejection=Rejection(**spec.rejection.model_dump()) if spec.rejection else None,
+                         grammar_masker=GrammarMasker(self.model_path) if self.model_path else None)
         if row.status == "paused":
             loop.paused.set()
 

@@ -110,7 +110,7 @@ def _read_tensors(path: Path, wanted: set[str]) -> dict[str, torch.Tensor] | Non
     return out if out.keys() == wanted else None
 
 
-def _eos_ids(path: Path, cfg: Any) -> set[int]:
+def model_eos_ids(path: Path, cfg: Any) -> set[int]:
     """EOS ids of the model config and of ``generation_config.json`` (what HF's ``generation_config`` holds)."""
     ids: set[int] = set()
     found = [getattr(cfg, "eos_token_id", None)]
@@ -138,10 +138,10 @@ def load_engine_model(model_path: str, dtype: torch.dtype, lean: bool) -> Engine
             params = {n: tensors[n].to(dtype) for n in names if n in tensors}
             if tied:
                 params["lm_head.weight"] = params["model.embed_tokens.weight"]
-            return EngineModel(config=cfg, params=params, eos_ids=_eos_ids(path, cfg), rope=Rope(cfg))
+            return EngineModel(config=cfg, params=params, eos_ids=model_eos_ids(path, cfg), rope=Rope(cfg))
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
-    # HF's generation_config is generation_config.json when there is one, else the model config's: _eos_ids reads both
+    # HF's generation_config is generation_config.json when there is one, else the model config's: model_eos_ids reads both
     return EngineModel(config=model.config, params=dict(model.state_dict(keep_vars=True)),
-                       eos_ids=_eos_ids(path, model.config), hf_model=model)
+                       eos_ids=model_eos_ids(path, model.config), hf_model=model)

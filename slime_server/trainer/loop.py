@@ -57,6 +57,7 @@ from slime_server.trainer.advantages import (
 )
 from slime_server.trainer.checkpoint import checkpoint_dir
 from slime_server.trainer.critic import explained_variance
+from slime_server.trainer.grammar_masks import GrammarMasker, GrammarReplayError
 from slime_server.trainer.selection import Rejection, Selection, select, wait_reason
 from slime_server.trainer.settings import Checkpoint, LoopSettings, LoopState, OPDWeights
 from slime_server.trainer.types import TrainSample
@@ -104,11 +105,25 @@ class BatchSource(Protocol):
         """The batch of this step; None when the source is exhausted (the job is complete)."""
 
 
-def to_train_sample(t: Trajectory) -> TrainSample:
+def to_train_sample(t: Trajectory, masker: GrammarMasker | None = None) -> TrainSample:
+    """The trainer's sample of a stored trajectory. Turns decoded under a grammar are stored at loss mask 0; with
+    a ``masker`` their masks are rebuilt and they train, scored under the same masks (trainer/grammar_masks.py)."""
     teacher = t.metadata.get("teacher_logprobs")  # online hints (online/feedback.py), aligned to tokens
-    return TrainSample(tokens=t.tokens, loss_mask=t.loss_mask, rollout_logprobs=t.rollout_logprobs,
+    mask, positions, bitmask = t.loss_mask, None, None
+    if masker is not None and any(turn.grammar for turn in t.turns):
+        try:
+            rebuilt = masker.masks(t)
+        except GrammarReplayError as e:  # never trained on a mask that is not the engine's
+            log.warning("%s: its constrained turns stay out of the loss", e)
+            rebuilt = None
+        if rebuilt is not None:
+            positions, bitmask = rebuilt
+            mask = list(mask)
+            for p in positions:
+                mask[p] = 1
+    return TrainSample(tokens=t.tokens, loss_mask=mask, rollout_logprobs=t.rollout_logprobs,
                        reward=float(t.reward or 0.0), group_id=t.group_id, weight_versions=t.weight_versions,
-                       sample_id=t.id,
+                       sample_id=t.id, grammar_positions=positions, grammar_bitmask=bitmask,
                        teacher_logprobs=teacher if isinstance(teacher, list) and len(teacher) == len(t.tokens)
                        else None)
 
@@ -156,8 +171,10 @@ class TrainLoop:
                  on_event: Callable[[str, dict[str, Any]], None] | None = None, job_id: str | None = None,
                  push_guard: Callable[[], AbstractContextManager[Any]] | None = None,
                  clock: Callable[[], float] = time.time, source: BatchSource | None = None,
-                 supervised: bool = False, rejection: Rejection | None = None) -> None:
+                 supervised: bool = False, rejection: Rejection | None = None,
+                 grammar_masker: GrammarMasker | None = None) -> None:
         self.store = store
+        self.grammar_masker = grammar_masker  # rebuilds constrained turns' masks (None: they stay out of the loss)
         self.source = source  # None: rewarded trajectories from the buffer
         self.supervised = supervised  # SFT: samples train as they are (no advantages, no old log-probs)
         self.rejection = rejection  # rejection sampling: only the buffer's samples that pass train
@@ -294,7 +311,7 @@ class TrainLoop:
                 self._reject([], rejected)
                 return None
         whole = self.store.get_trajectories_by_id([t.id for t in chosen])
-        return Batch(samples=[to_train_sample(t) for t in whole], lags=lags, consume=[t.id for t in chosen],
+        return Batch(samples=[to_train_sample(t, self.grammar_masker) for t in whole], lags=lags, consume=[t.id for t in chosen],
                      rejected=rejected)
 
     def _reject(self, kept: list[str], rejected: list[str]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,9 @@ class MicroBatch:
     # aggregation -> per-token weight against the global batch (see losses.loss_token_weights)
     token_weights: dict[Aggregation, torch.Tensor] = field(default_factory=dict)
     tree: PrefixTree | None = None  # the forward's layout when samples share prefixes (None: the row itself)
+    # tokens sampled under a grammar: their rows in the packed row and their bitmasks (trainer/grammar_masks.py)
+    grammar_rows: torch.Tensor | None = None  # long [K]
+    grammar_bitmask: bytes | None = None  # K rows of int32 words
 
     @property
     def num_tokens(self) -> int:
@@ -116,7 +120,23 @@ def _pack(samples: Sequence[TrainSample], idx: list[int], weights: dict[Aggregat
         advantages=torch.tensor([a for s in picked for a in (s.advantages or [0.0] * len(s.tokens))],
                                 dtype=torch.float32),
         token_weights={agg: torch.cat([w[i] for i in idx]).to(torch.float32) for agg, w in weights.items()},
+        **_grammar(picked, lens),
     )
+
+
+def _grammar(picked: list[TrainSample], lens: list[int]) -> dict[str, Any]:
+    """The micro-batch's grammar positions (offset into the packed row) and their bitmasks, in order."""
+    rows: list[int] = []
+    masks: list[bytes] = []
+    offset = 0
+    for s, n in zip(picked, lens, strict=True):
+        if s.grammar_positions:
+            rows += [offset + p for p in s.grammar_positions]
+            masks.append(s.grammar_bitmask or b"")
+        offset += n
+    if not rows:
+        return {}
+    return {"grammar_rows": torch.tensor(rows, dtype=torch.long), "grammar_bitmask": b"".join(masks)}
 
 
 def global_token_weights(samples: Sequence[TrainSample]) -> dict[Aggregation, list[torch.Tensor]]:

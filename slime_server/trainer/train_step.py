@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, Field
 from torch import nn
 
+from slime_server.trainer.grammar_masks import allowed_columns
 from slime_server.trainer.losses import policy_loss
 from slime_server.trainer.model import forward_micro_batch, unwrap
 from slime_server.trainer.optimizer import OptimizerBundle, optimizer_step, zero_grads
@@ -33,7 +34,7 @@ from slime_server.trainer.packing import MicroBatch, pack_samples, split_packed
 from slime_server.trainer.pipeline import from_last_stage, is_last_stage, pipeline_size, run_schedule
 from slime_server.trainer.settings import LossConfig
 from slime_server.trainer.types import TrainSample
-from slime_server.trainer.vocab_parallel import vocab_parallel_logprobs
+from slime_server.trainer.vocab_parallel import shard_start, vocab_parallel_logprobs
 
 
 class TrainStepSettings(BaseModel):
@@ -79,15 +80,34 @@ def packed_logprobs(
     (``position_ids == 0``) are 0 because nothing in the row predicts them.
     """
     return logits_logprobs(model, micro_batch_logits(model, mb), mb.tokens, mb.position_ids,
-                           temperature=temperature, with_entropy=with_entropy)
+                           temperature=temperature, with_entropy=with_entropy, grammar=grammar_of(mb))
+
+
+def grammar_of(mb: MicroBatch) -> tuple[torch.Tensor, bytes] | None:
+    """The micro-batch's grammar rows and bitmasks (tokens sampled under a grammar), or None."""
+    return None if mb.grammar_rows is None else (mb.grammar_rows, mb.grammar_bitmask or b"")
+
+
+def masked_to_grammar(local_logits: torch.Tensor, rows: torch.Tensor, bitmask: bytes, vocab_size: int) -> torch.Tensor:
+    """``local_logits`` [T, V_local] with the logits predicting each grammar position's token (row - 1) set to -inf
+    where the grammar forbade a token: the distribution the engine sampled from (trainer/grammar_masks.py)."""
+    width = local_logits.shape[-1]
+    allowed = allowed_columns(bitmask, int(rows.numel()), shard_start(width), width, vocab_size)
+    at = (rows - 1).to(local_logits.device)
+    out = local_logits.clone()
+    out[at] = local_logits[at].masked_fill(~allowed.to(local_logits.device), float("-inf"))
+    return out
 
 
 def logits_logprobs(
     model: nn.Module, local_logits: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor, *,
-    temperature: float = 1.0, with_entropy: bool = False,
+    temperature: float = 1.0, with_entropy: bool = False, grammar: tuple[torch.Tensor, bytes] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``packed_logprobs`` from a packed row's local logits shard [T, vocab / tp] (the last pipeline stage's)."""
+    """``packed_logprobs`` from a packed row's local logits shard [T, vocab / tp] (the last pipeline stage's);
+    ``grammar``: rows sampled under a grammar and their bitmasks, scored under the same mask."""
     tokens, position_ids = tokens.to(local_logits.device), position_ids.to(local_logits.device)
+    if grammar is not None:
+        local_logits = masked_to_grammar(local_logits, grammar[0], grammar[1], unwrap(model).arch.vocab_size)
     lp_next, ent_next = vocab_parallel_logprobs(
         local_logits[:-1], tokens[1:], vocab_size=unwrap(model).arch.vocab_size,
         temperature=temperature, with_entropy=with_entropy,
@@ -122,7 +142,8 @@ def compute_logprobs(
     try:
         if pipeline_size() > 1:
             def score(mb: MicroBatch, local_logits: torch.Tensor) -> torch.Tensor:
-                lp, _ = logits_logprobs(model, local_logits, mb.tokens, mb.position_ids, temperature=temperature)
+                lp, _ = logits_logprobs(model, local_logits, mb.tokens, mb.position_ids, temperature=temperature,
+                                        grammar=grammar_of(mb))
                 keep(mb, lp)
                 return lp.sum() * 0.0
 
@@ -236,7 +257,8 @@ def forward_backward(
     if pipeline_size() > 1:
         def on_output(mb: MicroBatch, local_logits: torch.Tensor) -> torch.Tensor:
             logprobs, entropy = logits_logprobs(model, local_logits, mb.tokens, mb.position_ids,
-                                                temperature=settings.temperature, with_entropy=True)
+                                                temperature=settings.temperature, with_entropy=True,
+                                                grammar=grammar_of(mb))
             return micro_batch_loss(mb, logprobs, entropy)
 
         run_schedule(model, micro_batches, on_output, forward_only=False)  # backward included

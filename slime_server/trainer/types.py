@@ -25,6 +25,10 @@ class TrainSample(BaseModel):
     teacher_logprobs: list[float] | None = Field(None, description="per token, for on-policy distillation")
     sample_id: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    grammar_positions: list[int] | None = Field(None, description="tokens sampled under a grammar (trainer/"
+                                                "grammar_masks.py): their log-probs are computed under its mask")
+    grammar_bitmask: bytes | None = Field(None, description="xgrammar bitmasks, one row of int32 words per "
+                                          "grammar position (bit v % 32 of word v // 32: token v allowed)")
 
     @model_validator(mode="after")
     def _aligned(self) -> TrainSample:

@@ -35,6 +35,11 @@ def _reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     return reduce_from_tensor_model_parallel_region(t, group)
 
 
+def shard_start(v_local: int) -> int:
+    """The first global token id of this TP rank's vocab shard of ``v_local`` columns."""
+    return _tp_info()[0] * v_local
+
+
 def vocab_parallel_logprobs(
     local_logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, temperature: float = 1.0,
     with_entropy: bool = False,
