@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ from slime_server.gateway.tool_parsers import (
     MistralToolParser,
     ToolCallParser,
 )
+from slime_server.rollout.grammar import xgrammar_message
 
 STRING_CHARS = r'^[^"\\\x00-\x1f\ud800-\udfff]'  # a JSON string's characters that need no escape (no surrogates)
 
@@ -79,7 +79,7 @@ def enforceable(schema: Any, where: str) -> Any:
     for a keyword the grammar would ignore."""
     if not isinstance(schema, dict):
         raise bad_request(f"{where} must be a JSON Schema object", param=where)
-    error = _schema_error(json.dumps(schema, sort_keys=True))
+    error = schema_error(json.dumps(schema, sort_keys=True))
     if error is not None:
         raise bad_request(f"{where} is not a valid JSON Schema: {error}", param=where)
     out = copy.deepcopy(schema)
@@ -98,18 +98,16 @@ def _grammar_error(schema: str) -> str | None:
     try:
         xgr.Grammar.from_json_schema(schema)
     except (RuntimeError, ValueError, TypeError) as e:
-        return _reason(e)
+        return xgrammar_message(e)
     return None
 
 
-def _reason(e: BaseException) -> str:
-    """xgrammar's message without its log prefix (``[10:32:38] /project/cpp/regex_converter.cc:83: ``)."""
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
-
-
-@functools.lru_cache(maxsize=512)  # agents send the same schemas every turn
-def _schema_error(text: str) -> str | None:
-    schema = json.loads(text)
+@functools.lru_cache(maxsize=512)
+def schema_error(schema_json: str) -> str | None:
+    """Why a schema (a tool's parameters, a response format's) is not a JSON Schema (None: it is), by its canonical
+    JSON text. Cached: an agent sends the same schemas on every turn, and checking one against its metaschema took
+    0.33 ms (the calculator's one tool; the gateway spends ~2.8 ms of CPU on a whole request)."""
+    schema = json.loads(schema_json)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -192,7 +190,7 @@ def tag_ebnf(tag: str) -> str:
     try:
         return str(xgr.Grammar.from_structural_tag(tag))
     except (RuntimeError, ValueError, TypeError) as e:
-        raise bad_request(f"tools: the forced tool call's grammar cannot be built: {_reason(e)}",
+        raise bad_request(f"tools: the forced tool call's grammar cannot be built: {xgrammar_message(e)}",
                           param="tools") from None
 
 

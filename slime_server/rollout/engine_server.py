@@ -31,6 +31,7 @@ from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig
 from slime_server.rollout.engine_auth import KEY_ENV, InsecureEngineError, add_api_keys, check_exposure
 from slime_server.rollout.engine_sequence import Sequence
 from slime_server.rollout.engine_weights import add_weight_routes
+from slime_server.rollout.grammar import grammar_key
 from slime_server.rollout.protocol import (
     AbortReq,
     ErrorBody,
@@ -142,7 +143,7 @@ class GenerateHandler:
                 loop.call_soon_threadsafe(queue.put_nowait, (i, snap))
             return on_update
 
-        if any(s.params.json_schema or s.params.regex or s.params.ebnf or s.params.structural_tag for s in seqs):
+        if any(grammar_key(s.params) is not None for s in seqs):
             await asyncio.to_thread(self.engine.attach_grammars, seqs)  # compiling a new schema takes a while
         for i, s in enumerate(seqs):
             s.on_update = hook(i)

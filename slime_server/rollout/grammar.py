@@ -114,7 +114,7 @@ class GrammarBackend:
         try:
             compiled = self._compile(kind, text)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise GrammarError(f"Failed to compile {kind} grammar: {_first_line(e)}") from None
+            raise GrammarError(f"Failed to compile {kind} grammar: {xgrammar_message(e)}") from None
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
@@ -154,7 +154,7 @@ class GrammarBackend:
                                               indices=rows)
 
 
-def _first_line(e: BaseException) -> str:
+def xgrammar_message(e: BaseException) -> str:
     """xgrammar's message without its log prefix (``[10:15:35] /project/cpp/regex_converter.cc:83: ``)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
