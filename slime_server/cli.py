@@ -49,6 +49,7 @@ SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--max-running-requests": ("engine.max_running_requests", int),
     "--engine-host": ("engine.host", str),
     "--engine-cpus": ("engine.cpus", str),
+    "--engine-threads": ("engine.torch_threads", int),
     "--insecure-engines": ("engine.insecure", bool),
     "--insecure-gateway": ("gateway.insecure", bool),
     "--router-policy": ("router.policy", str),
@@ -61,6 +62,7 @@ SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--trainer-tp-size": ("trainer.tp_size", int),
     "--trainer-work-dir": ("trainer.work_dir", str),
     "--trainer-cpus": ("trainer.cpus", str),
+    "--trainer-threads": ("trainer.torch_threads", int),
     "--colocate": ("trainer.colocate", bool),
     "--log-level": ("log.level", str),
     "--log-format": ("log.format", str),
@@ -82,16 +84,25 @@ def _dest(flag: str) -> str:
     return "setting:" + SETTINGS_FLAGS[flag][0]
 
 
+def _setting_help(path: str) -> str:
+    """``sets engine.cpus: <the setting's own description>`` (argparse's % signs escaped)."""
+    section, field = path.split(".")
+    model = ServerSettings.model_fields[section].annotation
+    info = getattr(model, "model_fields", {}).get(field)
+    description = info.description if info is not None and info.description else ""
+    return f"sets {path}" + (f": {description}".replace("%", "%%") if description else "")
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML settings file (below env vars and flags in precedence)")
     group = parser.add_argument_group("settings (override SLIME_* env vars and --config)")
     for flag, (path, typ) in SETTINGS_FLAGS.items():
         if typ is bool:  # a switch: absent leaves the setting alone, present sets it True
             group.add_argument(flag, dest=_dest(flag), action="store_const", const=True, default=None,
-                               help=f"sets {path}")
+                               help=_setting_help(path))
             continue
         group.add_argument(flag, dest=_dest(flag), type=typ, default=None, metavar=path.split(".")[-1].upper(),
-                           help=f"sets {path}")
+                           help=_setting_help(path))
 
 
 def settings_from_args(args: argparse.Namespace, passthrough: dict[str, dict[str, Any]]) -> ServerSettings:

@@ -85,9 +85,11 @@ class EngineSettings(_Section):
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description='custom Ray resources per engine actor: placement on the nodes started '
         'with them (`ray start --resources \'{"engine_node": 8}\'` and {"engine_node": 1} here)')
-    torch_threads: int = Field(1, ge=1, description="torch threads inside each CPU engine process")
-    cpus: CpuList = Field(None, description='engine processes run on these cores ("0-3,6"; default: any): keep '
-                          "them off trainer.cpus, as GPUs keep the two apart")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads inside each CPU engine process "
+                                      "(default: one per core it runs on, following server/core_share.py)")
+    cpus: CpuList = Field(None, description='engine processes run on these cores ("0-3,6"). Default (with '
+                          "torch_threads unset too): all of the host's cores while no job trains, the lower half "
+                          "while one does (server/core_share.py)")
     cpu_forward: Literal["lean", "hf"] = Field("lean", description="CPU engine: its own forward over the model's "
                                                "parameters (llama/mistral/qwen2/qwen3), or HF's model() (reference)")
     prefix_cache_mb: float = Field(512.0, ge=0, description="CPU engine: MiB of finished generations' K/V kept for "
@@ -183,9 +185,11 @@ class TrainerSettings(_Section):
         "(across hosts), or auto: tensor when every engine is on the pushing rank's host")
     colocate: bool = Field(False, description="ranks share the engines' devices: generation pauses while "
                            "a step trains and pushes (decoupled by default)")
-    torch_threads: int = Field(1, ge=1)
-    cpus: CpuList = Field(None, description='trainer ranks run on these cores ("4-7"; default: any): keep them off '
-                          "engine.cpus so a train step and generation do not compete for the same cores")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per rank (default: its share of "
+                                      "the ranks' cores)")
+    cpus: CpuList = Field(None, description='trainer ranks run on these cores ("4-7"), off engine.cpus so a train '
+                          "step and generation do not compete. Default (with torch_threads unset too): the upper "
+                          "half of the host's cores while a job trains (server/core_share.py)")
     max_tokens_per_micro_batch: int = Field(
         2048, gt=0, description="packed micro-batch budget (the forward's rows); CPU attention costs grow with "
         "its square")

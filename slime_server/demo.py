@@ -132,8 +132,7 @@ class DemoCommand:
         learn = None if no_learn else self.learning_settings(args)
         if learn is not None:
             warm = ensure_warm_start(resolve_model_path(settings.engine.model), learn)
-            trainer = settings.trainer.model_copy(update={
-                "work_dir": str(work / "jobs"), "torch_threads": max(settings.trainer.torch_threads, 2)})
+            trainer = settings.trainer.model_copy(update={"work_dir": str(work / "jobs")})
             settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"model": str(warm)}),
                                                    "trainer": trainer})
         gw_settings = settings.gateway.model_copy(update={

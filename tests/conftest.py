@@ -22,6 +22,11 @@ XDIST = "PYTEST_XDIST_WORKER" in os.environ
 if XDIST:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# serve's default placement (server/core_share.py: every core to the engines, half to a job's ranks) is for a
+# host one server owns; here three workers share two cores, so each engine and rank keeps one thread, anywhere,
+# and the kernel balances them. tests/test_core_share.py takes these away and checks the default.
+os.environ.setdefault("SLIME_ENGINE__TORCH_THREADS", "1")
+os.environ.setdefault("SLIME_TRAINER__TORCH_THREADS", "1")
 # tests/test_openapi_fuzz.py draws fresh examples on every run from this seed; printed in the header,
 # so a failure is replayed with SLIME_FUZZ_SEED=<seed>
 os.environ.setdefault("SLIME_FUZZ_SEED", str(random.SystemRandom().randrange(2**32)))

@@ -10,8 +10,15 @@ run in this process. Greedy, EOS ignored, prefill excluded: each rate is (tokens
 of a 1-token run) / (time of the N-token run - time of the 1-token run), best of ``--repeats``, the variants
 interleaved per repeat so machine noise hits all of them.
 
+``serve`` is the engine as ``slime-server serve --model M --num-engines 1`` starts it with its defaults
+(its threads, its cores: server/core_share.py), driven through its sgl-router; the other engine variants are
+started directly with ``--threads``. ``--isa avx2`` (or ``generic``) reruns the whole benchmark under that
+instruction-set cap (``rollout/gemv.isa_env``: gemv.c's build, oneDNN, ATen and MKL in every process), so an
+AVX-512 machine measures what an AVX2-only one gets; ``--llama-cpp-dir`` puts a llama-cpp-python built for that
+cap first on the path (``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"``).
+
     python tools/bench_decode.py --model smollm2 --levels 1,8,32 --new-tokens 64 --bf16 \
-        [--gguf model-f32.gguf --gguf model-bf16.gguf]
+        [--gguf model-f32.gguf --gguf model-bf16.gguf] [--isa avx2 --llama-cpp-dir DIR]
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import sys
 import tempfile
@@ -31,8 +39,18 @@ from typing import Any
 import httpx
 import torch
 
+from slime_server.rollout import gemv
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group, python_module_cmd, spawn
+
+_ISA_FLAGS = {"avx2", "fma", "avx512f", "avx512_bf16", "avx512bw", "avx512vl", "amx_bf16", "asimd", "sve"}
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -67,6 +85,25 @@ def engine_server(path: str, forward: str, dtype: str, kernel: str, threads: int
         yield f"http://127.0.0.1:{port}"
     finally:
         kill_group(proc)
+
+
+@contextlib.contextmanager
+def served_engine(path: str, log_dir: str) -> Iterator[str]:
+    """``slime-server serve`` with its defaults and one engine; its sgl-router's URL once it serves."""
+    cmd = [str(Path(sys.executable).with_name("slime-server")), "serve", "--model", path, "--num-engines", "1",
+           "--port", "0", "--log-dir", f"{log_dir}/serve", "--db-path", f"{log_dir}/serve.db",
+           "--trainer-work-dir", f"{log_dir}/jobs"]
+    log_path = Path(log_dir) / "serve.log"
+    proc = spawn(cmd, env={"TOKENIZERS_PARALLELISM": "false"}, log_path=str(log_path))
+    try:
+        deadline = time.monotonic() + 600
+        while "openai_base_url:" not in (text := log_path.read_text() if log_path.exists() else ""):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve did not start (exit {proc.poll()}):\n{text[-4000:]}")
+            time.sleep(0.5)
+        yield next(line.split()[-1] for line in text.splitlines() if line.startswith("router_url:"))
+    finally:
+        kill_group(proc, timeout=60)
 
 
 def hf_run(model: Any, prompts: list[list[int]], new_tokens: int) -> float:
@@ -105,8 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16", action="store_true", help="also the lean engine in bfloat16")
     ap.add_argument("--gguf", action="append", default=[], help="llama.cpp model of the same weights (batch 1 "
                     "only; repeat for F32 and BF16: a file named *bf16* is compared with the bf16 engine)")
+    ap.add_argument("--no-serve", action="store_true", help="leave out the engine as serve starts it")
+    ap.add_argument("--isa", choices=["native", "avx512", "avx2", "generic"], default=None,
+                    help="cap every process's instruction set (rerun under rollout/gemv.isa_env)")
+    ap.add_argument("--llama-cpp-dir", default=None, help="import llama_cpp from here (a build for the --isa)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.isa and os.environ.get(gemv.ISA_ENV) != args.isa:  # torch reads its caps once, at start: start again
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **gemv.isa_env(args.isa)})
+    if args.llama_cpp_dir:
+        sys.path.insert(0, args.llama_cpp_dir)
+    print(f"cpu: {_cpu_name()}; flags: {' '.join(sorted(f for f in gemv.cpu_flags() if f in _ISA_FLAGS))}; "
+          f"cap {gemv.requested_isa()}: gemv.c built for {gemv.target()}, oneDNN {os.environ.get('ONEDNN_MAX_CPU_ISA', 'any')}, "
+          f"ATen {torch.backends.cpu.get_cpu_capability()}", flush=True)
     from transformers import AutoModelForCausalLM
 
     from slime_server.server.launch import resolve_model_path
@@ -121,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(engine_server(path, fwd, dtype, kernel, args.threads, max(levels), logs))
                 for name, (fwd, dtype, kernel) in kinds.items() if "bf16" not in name or args.bf16}
+        if not args.no_serve:
+            urls = {"serve": stack.enter_context(served_engine(path, logs)), **urls}
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         vocab = hf.config.vocab_size
         llms: dict[str, Any] = {}

@@ -22,7 +22,7 @@ from slime_server.config import EngineKind, EngineSettings
 from slime_server.rollout.engine_auth import KEY_ENV, check_exposure
 from slime_server.rollout.owned import spawn_owned, start_retrying
 from slime_server.rollout.sglang_launcher import build_sglang_command
-from slime_server.utils.affinity import format_cpu_list
+from slime_server.utils.affinity import format_cpu_list, pin_pid
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import kill_group
 
@@ -37,7 +37,7 @@ class EngineSpec(BaseModel):
     api_key: str | None = Field(None, description="SGLang's --api-key (the deployment's engine key)")
     insecure: bool = Field(False, description="allow a non-loopback host with no key (--insecure-engines)")
     max_running_requests: int = 32
-    torch_threads: int = 1
+    torch_threads: int = Field(0, description="the CPU engine's torch threads (0: one per core it may run on)")
     cpus: list[int] | None = Field(None, description="cores the engine process runs on (None: any)")
     cpu_forward: Literal["lean", "hf"] = "lean"
     prefix_cache_mb: float = 512.0
@@ -83,7 +83,8 @@ def engine_command(spec: EngineSpec, port: int) -> list[str]:
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:
     """Environment of the engine process: thread counts, the CPU engine's key, the spec's extras."""
-    env = {"OMP_NUM_THREADS": str(spec.torch_threads), "TOKENIZERS_PARALLELISM": "false"}
+    threads = spec.torch_threads or (len(spec.cpus) if spec.cpus else 0)
+    env = {"TOKENIZERS_PARALLELISM": "false", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     if spec.kind == "cpu" and spec.api_key:
         env[KEY_ENV] = spec.api_key
     return {**env, **spec.extra_env}
@@ -168,6 +169,17 @@ class EngineActor:
             return httpx.get(f"{self.url()}/health", timeout=timeout).status_code < 300
         except httpx.HTTPError:
             return False
+
+    def set_cpus(self, cpus: list[int]) -> None:
+        """Move the running engine (every thread) onto ``cpus``, and start it there after a restart. A CPU
+        engine with no fixed thread count resizes torch's pool to them before its next step."""
+        with self._lock:
+            self.spec = self.spec.model_copy(update={"cpus": list(cpus)})
+            if self._proc is not None and self._proc.poll() is None:
+                try:
+                    pin_pid(self._proc.pid, cpus)
+                except ProcessLookupError:
+                    pass  # it died meanwhile: the monitor restarts it on the new cores
 
     def status(self) -> EngineStatus:
         alive = self._proc is not None and self._proc.poll() is None

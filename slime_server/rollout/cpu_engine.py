@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from slime_server.rollout.core_follow import ThreadsFollowCores
 from slime_server.rollout.engine_config import EngineConfig
 from slime_server.rollout.engine_model import load_engine_model
 from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM, Sequence
@@ -122,7 +123,7 @@ class CPUEngine:
         from transformers import AutoTokenizer
 
         config = self.config
-        torch.set_num_threads(config.num_threads)
+        self.threads = ThreadsFollowCores(config.num_threads)
         loaded = load_engine_model(config.model_path, getattr(torch, config.dtype), lean=config.forward == "lean")
         self.model = loaded.hf_model  # HF's model only where the lean forward does not serve (forward: hf)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
@@ -137,6 +138,8 @@ class CPUEngine:
         self.lean = (LeanForward(mc, self._params, loaded.rope, decode_kernel=config.decode_kernel)
                      if loaded.rope is not None else None)
         self.weight_bytes = loaded.weight_bytes
+        self.kernel_target = self.lean.gemv_target if self.lean else None
+        log.info("decode matmuls: %s", f"gemv.c built for {self.kernel_target}" if self.kernel_target else "torch")
         budget = int(config.prefix_cache_mb * 2**20 / self.lean.kv_bytes_per_token) if self.lean else 0
         self.prefix_cache = PrefixCache(budget) if budget > 0 else None
         self.grammars = EngineGrammars(config.grammar_backend == "xgrammar", self.tokenizer, self.vocab_size,
@@ -387,6 +390,7 @@ class CPUEngine:
                 admitted = self._admit()
                 running = list(self._running) if not self._paused else []
             try:
+                self.threads.follow()
                 with torch.inference_mode():
                     for seq in admitted:
                         self._prefill(seq)

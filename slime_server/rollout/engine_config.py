@@ -17,15 +17,16 @@ class EngineConfig(BaseModel):
     context_length: int | None = Field(None, ge=1, description="default: config.max_position_embeddings")
     weight_version: str = "0"
     seed: int = 0
-    num_threads: int = Field(1, ge=1)
+    num_threads: int = Field(0, ge=0, description="torch threads; 0: one per core the engine may run on, "
+                             "followed as serve moves it (rollout/core_follow.py)")
     forward: Literal["lean", "hf"] = Field("lean", description="lean: the engine's own forward over the model's "
                                            "parameters (llama/mistral/qwen2/qwen3; others use HF's); hf: HF's "
                                            "model() with a cache rebuilt per step (the reference)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights, activations and K/V; bfloat16 "
                                                   "halves the memory read per token (log-probs are still fp32)")
     decode_kernel: Literal["c", "torch"] = Field("c", description="c: the decode step's matmuls through gemv.c, "
-                                                 "built for this CPU on first use (AVX-512; torch's where it cannot "
-                                                 "be built); torch: torch's kernels throughout (the reference)")
+                                                 "built for this CPU on first use (torch's where no C compiler "
+                                                 "builds it); torch: torch's kernels throughout (the reference)")
     prefix_cache_mb: float = Field(512.0, ge=0, description="MiB of K/V of finished generations kept for prompts "
                                    "that start with them (lean forward only; 0: off); cleared on weight updates")
     grammar_backend: Literal["xgrammar", "none"] = Field(

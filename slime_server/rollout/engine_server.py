@@ -242,7 +242,9 @@ def create_app(engine: CPUEngine, served_model_name: str | None = None,
                 "max_total_num_tokens": engine.max_total_tokens, "vocab_size": engine.vocab_size,
                 "weight_version": engine.weight_version, "version": SERVER_VERSION,
                 "num_generate_requests": counters["generate"],
-                "internal_states": [{**engine.stats, **engine.load(), "paused": engine.paused}]}
+                "internal_states": [{**engine.stats, **engine.load(), "paused": engine.paused,
+                                     "torch_threads": engine.threads.threads, "cpus": sorted(os.sched_getaffinity(0)),
+                                     "decode_kernel_target": engine.kernel_target}]}
 
     @app.get("/v1/loads", response_model=LoadsResponse)
     async def v1_loads() -> LoadsResponse:
@@ -305,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--weight-version", default="0")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-threads", type=int, default=1)
+    ap.add_argument("--num-threads", type=int, default=0,
+                    help="torch threads (default 0: one per core the engine may run on, followed as it changes)")
     ap.add_argument("--cpus", type=parse_cpu_list, default=None,
                     help="run on these cores only (taskset's list syntax, e.g. 0-3,6; default: any)")
     ap.add_argument("--prefix-cache-mb", type=float, default=512.0,
@@ -315,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--forward", choices=["lean", "hf"], default="lean",
                     help="lean: the engine's own forward (llama/mistral/qwen2/qwen3); hf: HF's model() (reference)")
     ap.add_argument("--decode-kernel", choices=["c", "torch"], default="c",
-                    help="c: decode matmuls through the engine's C kernel, built for this CPU (AVX-512) on first "
-                    "use; torch: torch's kernels throughout")
+                    help="c: decode matmuls through the engine's C kernel, built for this CPU on first use "
+                    "(SLIME_CPU_ISA caps its instruction set); torch: torch's kernels throughout")
     ap.add_argument("--grammar-backend", choices=["xgrammar", "none"], default="xgrammar",
                     help="as SGLang's: what compiles sampling_params' json_schema / regex / ebnf / structural_tag")
     ap.add_argument("--constrained-json-disable-any-whitespace", action="store_true",

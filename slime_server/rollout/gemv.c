@@ -1,65 +1,122 @@
 /* The decode step's matmuls: y[m, n] = epilogue(sum_k pre(x)[m, k] * W[n, k]) for a few rows m.
 
    Why: at decode a matmul reads each weight once for a handful of rows of x, so its speed is the speed
-   at which the weights stream in. torch's fp32 kernels read them at 17 (MKL) to 31 (oneDNN) GB/s on the
-   2-core AMD EPYC the benchmarks ran on; this loop at ~40, its bf16 twin at ~37 (half the bytes). The
-   small ops around a matmul cost more than their arithmetic in torch (a call each, a bf16 conversion
-   each), so the ones a Llama layer puts there are folded in:
+   at which the weights stream in; torch's fp32 kernels stream them slower than this loop (tools/bench_decode.py
+   measures the engine end to end). The small ops around a matmul cost more than their arithmetic in torch (a
+   call each, a bf16 conversion each), so the ones a Llama layer puts there are folded in:
      pre  0: x as given; 1: RMSNorm of x with weight pre_w and eps; 2: silu(gate) * up, x being [m, 2k]
           (gate | up, the fused gate/up matmul's output);
      epilogue: + bias (when given), then + resid (when given; [m, n], the residual stream).
    Rounding as the engine's torch ops round (lean_forward.py): fp32 throughout in fp32; in bf16 each op's
    result rounded to bf16 (nearest even) as torch rounds it: F.rms_norm's x * rsqrt(mean(x^2) + eps) * w in
    fp32, rounded once; silu(gate) rounded, times up, rounded; the matmul with its bias rounded once, its
-   products accumulated in fp32 (AVX512-BF16); the residual sum rounded.
+   products (exact in fp32) accumulated in fp32; the residual sum rounded.
+
+   One source for every CPU: the arithmetic is written with GCC/Clang vector extensions, whose width the
+   compiler's target picks (64 bytes with AVX-512, 32 with AVX/AVX2, 16 with NEON or SSE2), so `cc -O3
+   -march=native` gives each host its widest registers and its FMA. Only bf16 on AVX512-BF16 has a path of its
+   own (vdpbf16ps: two products per lane per instruction); elsewhere bf16 weights are widened to fp32 as they
+   load, which reads half of fp32's bytes. slime_gemv_target() names what a build was compiled for.
 
    Layout: W row-major with row stride ld (elements; rows may be views into a fused tensor), x, resid and
    y contiguous. Each thread takes a contiguous share of W's rows, R at a time, and every block of R rows
    is multiplied by all m rows of x (MX at a time) while it is in L1, so W is read from memory once
-   whatever m is. gemv.py builds this for the machine it runs on; without AVX-512 (and AVX512-BF16 for the
-   bf16 kernel) the symbols are absent and the engine keeps torch's ops. */
+   whatever m is. R * MX accumulators + MX vectors of x + one of W fit the target's vector registers. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-#define R 8  /* rows of W per block: 8 independent FMA chains per row of x; a block (R * k) stays in L1 */
-#define MX 3 /* rows of x per pass over a block: R * MX accumulators + MX x vectors + a W vector fit the 32
-                registers (MX 4 spills: SmolLM2 at 8 rows 24 ms of matmuls per step, 22.5 with MX 3) */
+#define VB 64
+#define R 8  /* 8 * 3 accumulators + 3 x + 1 W of 32 zmm registers (MX 4 spills: 24 -> 22.5 ms a SmolLM2 step) */
+#define MX 3
+#define TARGET "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VB 32
+#define R 4  /* 4 * 2 accumulators + 2 x + 1 W + the tail's temporaries of 16 ymm registers */
+#define MX 2
+#define TARGET "avx2"
+#elif defined(__AVX__)
+#define VB 32
+#define R 4
+#define MX 2
+#define TARGET "avx"
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+#define VB 16
+#define R 8  /* 32 q registers, as AVX-512's 32 */
+#define MX 3
+#define TARGET "neon"
+#else
+#define VB 16
+#define R 4
+#define MX 2
+#define TARGET "generic"
+#endif
+#define VL (VB / 4) /* floats per vector */
+
+typedef float vf __attribute__((vector_size(VB)));
+typedef int32_t vi __attribute__((vector_size(VB)));
+typedef uint32_t vu __attribute__((vector_size(VB)));
+
 #define INLINE static inline __attribute__((always_inline))
 #define PRE_NONE 0
 #define PRE_RMSNORM 1
 #define PRE_SILU_MUL 2
 
+const char* slime_gemv_target(void) {
+#if defined(__AVX512BF16__)
+  return TARGET "+bf16";
+#else
+  return TARGET;
+#endif
+}
+
+INLINE vf splat(float v) { return (vf){0} + v; }
+INLINE vf loadf(const float* p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+INLINE void storef(float* p, vf v) { memcpy(p, &v, sizeof v); }
+INLINE float hsum(vf v) {
+  float s = 0.f;
+  for (int l = 0; l < VL; l++) s += v[l];
+  return s;
+}
+INLINE vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
 INLINE float silu(float g) { return g / (1.f + expf(-g)); }
 
-/* exp of 16 floats (Cephes' expf: range reduction by ln 2 in two parts, degree-5 polynomial, scaled by 2^n;
-   within 2 ulp of expf over the clamped range): libm's expf is scalar, and silu over a 1536-wide MLP row
-   took 11 us a row with it. */
-INLINE __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(88.7f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
+/* exp of a vector (Cephes' expf: range reduction by ln 2 in two parts, degree-5 polynomial, scaled by 2^n in
+   two halves so that 2^-149 and 2^128 stay representable; within 2 ulp of expf over the clamped range): libm's
+   expf is scalar, and silu over a 1536-wide MLP row took 11 us a row with it. */
+INLINE vf vexp(vf x) {
+  x = vselect(x < -103.f, splat(-103.f), x);
+  x = vselect(x > 88.7f, splat(88.7f), x);
+  vf t = x * 1.44269504088896341f;
+  vf n = (t + 12582912.f) - 12582912.f; /* round to nearest (1.5 * 2^23: no fast-math, so not folded away) */
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  vf y = p * (r * r) + (r + 1.f);
+  vi e = __builtin_convertvector(n, vi);
+  vi e1 = e >> 1;
+  vf s1 = (vf)((e1 + 127) << 23), s2 = (vf)((e - e1 + 127) << 23);
+  return y * s1 * s2;
 }
 
 /* out[j] = silu(g[j]) for j < k */
 static void silu_row(const float* g, float* out, int64_t k) {
   int64_t j = 0;
-  for (; j + 16 <= k; j += 16) {
-    __m512 v = _mm512_loadu_ps(g + j);
-    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
-    _mm512_storeu_ps(out + j, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  for (; j + VL <= k; j += VL) {
+    vf v = loadf(g + j);
+    storef(out + j, v / (1.f + vexp(-v)));
   }
   for (; j < k; j++) out[j] = silu(g[j]);
 }
@@ -91,27 +148,35 @@ static float* pre_f32(const float* x, int64_t m, int64_t k, int pre, const float
    live in registers. */
 INLINE void block_f32(const float* W, const float* x, float* y, const float* bias, const float* resid, int64_t o,
                       int64_t n, int64_t k, int64_t ld, const int XS) {
-  __m512 acc[MX][R];
-  int64_t k16 = k - k % 16;
+  vf acc[MX][R];
+  int64_t kv = k - k % VL;
   for (int a = 0; a < XS; a++)
-    for (int r = 0; r < R; r++) acc[a][r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k16; i += 16) {
-    __m512 xv[MX];
-    for (int a = 0; a < XS; a++) xv[a] = _mm512_loadu_ps(x + a * k + i);
+    for (int r = 0; r < R; r++) acc[a][r] = splat(0.f);
+  for (int64_t i = 0; i < kv; i += VL) {
+    vf xv[MX];
+    for (int a = 0; a < XS; a++) xv[a] = loadf(x + a * k + i);
     for (int r = 0; r < R; r++) {
-      __m512 wv = _mm512_loadu_ps(W + (o + r) * ld + i);
-      for (int a = 0; a < XS; a++) acc[a][r] = _mm512_fmadd_ps(wv, xv[a], acc[a][r]);
+      vf wv = loadf(W + (o + r) * ld + i);
+      for (int a = 0; a < XS; a++) acc[a][r] += wv * xv[a];
     }
   }
   for (int a = 0; a < XS; a++)
     for (int r = 0; r < R; r++) {
-      float s = _mm512_reduce_add_ps(acc[a][r]);
-      for (int64_t j = k16; j < k; j++) s += W[(o + r) * ld + j] * x[a * k + j];
+      float s = hsum(acc[a][r]);
+      for (int64_t j = kv; j < k; j++) s += W[(o + r) * ld + j] * x[a * k + j];
       if (bias) s += bias[o + r];
       if (resid) s = resid[a * n + o + r] + s;
       y[a * n + o + r] = s;
     }
 }
+
+/* Each XS from 1 to MX as a constant, so block() unrolls for it. */
+#define DISPATCH(block, XS_LEFT, ...)            \
+  switch ((XS_LEFT) < MX ? (int)(XS_LEFT) : MX) { \
+    case 1: block(__VA_ARGS__, 1); break;         \
+    case 2: block(__VA_ARGS__, 2); break;         \
+    default: block(__VA_ARGS__, MX); break;       \
+  }
 
 int slime_gemv_f32(const float* W, const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t ld,
                    int pre, const float* pre_w, float eps, const float* bias, const float* resid, int nthreads) {
@@ -122,14 +187,8 @@ int slime_gemv_f32(const float* W, const float* x, float* y, int64_t m, int64_t 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t b = 0; b < blocks; b++) {
     for (int64_t m0 = 0; m0 < m; m0 += MX) {
-      const float* xa = xs + m0 * k;
-      float* ya = y + m0 * n;
       const float* ra = resid ? resid + m0 * n : NULL;
-      switch (m - m0 < MX ? (int)(m - m0) : MX) {
-        case 1: block_f32(W, xa, ya, bias, ra, b * R, n, k, ld, 1); break;
-        case 2: block_f32(W, xa, ya, bias, ra, b * R, n, k, ld, 2); break;
-        default: block_f32(W, xa, ya, bias, ra, b * R, n, k, ld, 3); break;
-      }
+      DISPATCH(block_f32, m - m0, W, xs + m0 * k, y + m0 * n, bias, ra, b * R, n, k, ld)
     }
   }
   for (int64_t o = blocks * R; o < n; o++) /* the last n % R rows */
@@ -145,17 +204,16 @@ int slime_gemv_f32(const float* W, const float* x, float* y, int64_t m, int64_t 
 }
 
 /* ---------------------------------------------------------------------------------------------- bf16 */
-#if defined(__AVX512BF16__)
 INLINE float bf(uint16_t v) {
   uint32_t b = (uint32_t)v << 16;
   float f;
-  __builtin_memcpy(&f, &b, 4);
+  memcpy(&f, &b, 4);
   return f;
 }
 
 INLINE uint16_t to_bf(float f) { /* round to nearest even, as torch; a NaN stays a NaN */
   uint32_t b;
-  __builtin_memcpy(&b, &f, 4);
+  memcpy(&b, &f, 4);
   if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);
   return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
@@ -187,6 +245,20 @@ static uint16_t* pre_bf16(const uint16_t* x, int64_t m, int64_t k, int pre, cons
   return out;
 }
 
+/* the block's fp32 sums, rounded as torch rounds a bf16 matmul (+ bias) and the residual add after it */
+INLINE void finish_bf16(float s, const uint16_t* W, const uint16_t* x, uint16_t* y, const uint16_t* bias,
+                        const uint16_t* resid, int64_t row, int64_t a, int64_t n, int64_t k, int64_t ld,
+                        int64_t kv) {
+  for (int64_t j = kv; j < k; j++) s += bf(W[row * ld + j]) * bf(x[a * k + j]);
+  if (bias) s += bf(bias[row]);
+  uint16_t v = to_bf(s);
+  if (resid) v = to_bf(bf(resid[a * n + row]) + bf(v));
+  y[a * n + row] = v;
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* vdpbf16ps: 32 bf16 products a step, summed in pairs into 16 fp32 lanes */
 INLINE void block_bf16(const uint16_t* W, const uint16_t* x, uint16_t* y, const uint16_t* bias,
                        const uint16_t* resid, int64_t o, int64_t n, int64_t k, int64_t ld, const int XS) {
   __m512 acc[MX][R];
@@ -202,15 +274,39 @@ INLINE void block_bf16(const uint16_t* W, const uint16_t* x, uint16_t* y, const 
     }
   }
   for (int a = 0; a < XS; a++)
-    for (int r = 0; r < R; r++) {
-      float s = _mm512_reduce_add_ps(acc[a][r]);
-      for (int64_t j = k32; j < k; j++) s += bf(W[(o + r) * ld + j]) * bf(x[a * k + j]);
-      if (bias) s += bf(bias[o + r]);
-      uint16_t v = to_bf(s);
-      if (resid) v = to_bf(bf(resid[a * n + o + r]) + bf(v));
-      y[a * n + o + r] = v;
-    }
+    for (int r = 0; r < R; r++)
+      finish_bf16(_mm512_reduce_add_ps(acc[a][r]), W, x, y, bias, resid, o + r, a, n, k, ld, k32);
 }
+#else
+/* bf16 widened to fp32 as it loads (exact), multiplied and summed in fp32. A vector of 2 * VL bf16 read as VL
+   32-bit lanes holds an even element in each lane's low half and an odd one in its high half: shifting left by
+   16 and masking the low half off give both as floats with no shuffle, and a dot product needs no order. */
+INLINE void block_bf16(const uint16_t* W, const uint16_t* x, uint16_t* y, const uint16_t* bias,
+                       const uint16_t* resid, int64_t o, int64_t n, int64_t k, int64_t ld, const int XS) {
+  vf acc[MX][R];
+  const int64_t step = 2 * VL;
+  int64_t kv = k - k % step;
+  for (int a = 0; a < XS; a++)
+    for (int r = 0; r < R; r++) acc[a][r] = splat(0.f);
+  for (int64_t i = 0; i < kv; i += step) {
+    vf xe[MX], xo[MX];
+    for (int a = 0; a < XS; a++) {
+      vu v;
+      memcpy(&v, x + a * k + i, sizeof v);
+      xe[a] = (vf)(v << 16);
+      xo[a] = (vf)(v & 0xffff0000u);
+    }
+    for (int r = 0; r < R; r++) {
+      vu v;
+      memcpy(&v, W + (o + r) * ld + i, sizeof v);
+      vf we = (vf)(v << 16), wo = (vf)(v & 0xffff0000u);
+      for (int a = 0; a < XS; a++) acc[a][r] += we * xe[a] + wo * xo[a];
+    }
+  }
+  for (int a = 0; a < XS; a++)
+    for (int r = 0; r < R; r++) finish_bf16(hsum(acc[a][r]), W, x, y, bias, resid, o + r, a, n, k, ld, kv);
+}
+#endif
 
 int slime_gemv_bf16(const uint16_t* W, const uint16_t* x, uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t ld,
                     int pre, const uint16_t* pre_w, float eps, const uint16_t* bias, const uint16_t* resid,
@@ -222,27 +318,12 @@ int slime_gemv_bf16(const uint16_t* W, const uint16_t* x, uint16_t* y, int64_t m
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t b = 0; b < blocks; b++) {
     for (int64_t m0 = 0; m0 < m; m0 += MX) {
-      const uint16_t* xa = xs + m0 * k;
-      uint16_t* ya = y + m0 * n;
       const uint16_t* ra = resid ? resid + m0 * n : NULL;
-      switch (m - m0 < MX ? (int)(m - m0) : MX) {
-        case 1: block_bf16(W, xa, ya, bias, ra, b * R, n, k, ld, 1); break;
-        case 2: block_bf16(W, xa, ya, bias, ra, b * R, n, k, ld, 2); break;
-        default: block_bf16(W, xa, ya, bias, ra, b * R, n, k, ld, 3); break;
-      }
+      DISPATCH(block_bf16, m - m0, W, xs + m0 * k, y + m0 * n, bias, ra, b * R, n, k, ld)
     }
   }
   for (int64_t o = blocks * R; o < n; o++)
-    for (int64_t a = 0; a < m; a++) {
-      float s = 0.f;
-      for (int64_t j = 0; j < k; j++) s += bf(W[o * ld + j]) * bf(xs[a * k + j]);
-      if (bias) s += bf(bias[o]);
-      uint16_t v = to_bf(s);
-      if (resid) v = to_bf(bf(resid[a * n + o]) + bf(v));
-      y[a * n + o] = v;
-    }
+    for (int64_t a = 0; a < m; a++) finish_bf16(0.f, W, xs, y, bias, resid, o, a, n, k, ld, 0);
   free(xp);
   return 0;
 }
-#endif
-#endif

@@ -1,16 +1,21 @@
 """The decode step's matmuls in C (gemv.c), built for this machine on first use.
 
 Why: a decode step's matmuls multiply every weight once by a few rows, so they run at the speed the weights
-stream in, and torch's fp32 kernels stream them at 17 (MKL) to 31 (oneDNN) GB/s on the 2-core AMD EPYC the
-benchmarks ran on where this loop reaches ~40; the RMSNorm before a matmul, the SiLU-and-multiply before the
-down projection and the residual add after one are folded in (each was a torch call per layer, and in bf16
-a conversion each). ``tools/bench_decode.py`` measures the engine end to end.
+stream in, and torch's fp32 kernels stream them slower than this loop; the RMSNorm before a matmul, the
+SiLU-and-multiply before the down projection and the residual add after one are folded in (each was a torch
+call per layer, and in bf16 a conversion each). ``tools/bench_decode.py`` measures the engine end to end.
 
-The source is compiled once per machine with the system C compiler (``cc -O3 -march=native -fopenmp``,
-~0.3 s) into the cache (``$SLIME_SERVER_CACHE`` or ``~/.cache/slime-server``, ``kernels/``), keyed by the
-source, the compiler and the CPU's flags; it links ``libgomp.so.1``, which in a process that imported torch
-is torch's own OpenMP runtime (one soname, loaded once), so its threads are torch's. Without a compiler,
-AVX-512, or (bf16) AVX512-BF16, ``load()`` says why once and the engine keeps torch's ops.
+One portable source (GCC/Clang vector extensions) compiled for the host with the system C compiler (``cc -O3
+-march=native -fopenmp``, ~0.3 s): AVX-512, AVX2+FMA, NEON or plain SSE2 each get their own register width
+from the compiler, rather than a hand-written path per ISA that only the developer's CPU would test. It is
+built once per machine into the cache (``$SLIME_SERVER_CACHE`` or ``~/.cache/slime-server``, ``kernels/``),
+keyed by the source, the compiler, its flags and the CPU's flags; it links ``libgomp.so.1``, which in a
+process that imported torch is torch's own OpenMP runtime (one soname, loaded once), so its threads are
+torch's. Without a compiler ``load()`` says why once and the engine keeps torch's ops.
+
+``SLIME_CPU_ISA`` caps the instruction set (``native``, the default; ``avx512``; ``avx2``; ``generic``, the
+architecture's baseline), so an AVX-512 machine measures and tests what an AVX2-only one gets; ``isa_env``
+gives a process the same cap for torch's own kernels (oneDNN, ATen, MKL).
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
@@ -34,6 +41,19 @@ PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2  # gemv.c's pre-ops
 _ARGS = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
          + [ctypes.c_void_p] * 2 + [ctypes.c_int])
 _SYMBOLS = {torch.float32: "slime_gemv_f32", torch.bfloat16: "slime_gemv_bf16"}
+Isa = Literal["native", "avx512", "avx2", "generic"]
+ISA_ENV = "SLIME_CPU_ISA"
+# what each cap needs from an x86 CPU (a build for more than the CPU has would die on its first instruction)
+_NEEDS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}
+# torch's own kernels under the same cap: oneDNN's matmuls, ATen's vectorised ops, MKL
+_TORCH_CAPS = {"avx512": {}, "native": {},
+               "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+               "generic": {"ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default",
+                           "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}
+
+
+class IsaError(ValueError):
+    """An instruction-set cap this machine cannot run."""
 
 
 def cache_dir() -> Path:
@@ -41,49 +61,107 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (x86: /proc/cpuinfo's ``flags``; ARM: ``Features``), empty where unknown."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return ""
+    return set()
 
 
-def _build(compiler: str) -> Path:
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def requested_isa() -> Isa:
+    """The cap from ``SLIME_CPU_ISA`` (default ``native``); an unknown name is an error, not ignored."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in get_args(Isa):
+        raise IsaError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(get_args(Isa))}")
+    return isa  # type: ignore[return-value]
+
+
+def runnable_isas() -> list[Isa]:
+    """The caps this machine can build and run: ``native`` and ``generic`` always, AVX-512 and AVX2 where the
+    CPU has them (an AVX-512 machine runs the AVX2 build too)."""
+    flags = cpu_flags()
+    forced = [isa for isa, need in _NEEDS.items() if is_x86() and all(f in flags for f in need)]
+    return ["native", *forced, "generic"]  # type: ignore[list-item]
+
+
+def isa_env(isa: Isa) -> dict[str, str]:
+    """Environment that caps a process at ``isa``: gemv.c's build and torch's kernels (set before torch loads)."""
+    return {ISA_ENV: isa, **_TORCH_CAPS[isa]}
+
+
+def _compile_flags(isa: Isa) -> list[list[str]]:
+    """Flag sets to try, best first, for ``isa`` on this machine."""
+    if isa in _NEEDS:
+        missing = [f for f in _NEEDS[isa] if not is_x86() or f not in cpu_flags()]
+        if missing:
+            raise IsaError(f"{ISA_ENV}={isa}: this CPU lacks {', '.join(missing)}")
+    if isa == "generic":
+        return [[]]
+    if isa == "avx2":
+        return [["-march=native", "-mno-avx512f"]]
+    return [["-march=native"], ["-mcpu=native"], []]  # -mcpu: older clang on ARM; then the baseline
+
+
+def _build(compiler: str, flags: list[str]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(flags).encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"gemv-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out),
-                        "-lm"], check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run([compiler, "-O3", *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=300)
         os.replace(out, target)  # atomic: engines starting together each build, one file wins
     return target
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The built library, or None (logged once) when it cannot be built here."""
+def load(isa: Isa | None = None) -> ctypes.CDLL | None:
+    """The library built for ``isa`` (default: ``SLIME_CPU_ISA``), or None (logged once) when this machine has
+    no C compiler. Raises ``IsaError`` for a cap the CPU cannot run."""
+    isa = isa or requested_isa()
+    attempts = [[*f, "-fopenmp"] for f in _compile_flags(isa)]
+    attempts.append(attempts[-1][:-1])  # a compiler without OpenMP (Apple's clang): one thread, still vectorised
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler (cc): the CPU engine's decode matmuls stay on torch's kernels")
         return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("building gemv.c failed (%s): the CPU engine's decode matmuls stay on torch's kernels", detail)
+    errors = []
+    for flags in attempts:
+        try:
+            lib = ctypes.CDLL(str(_build(compiler, flags)))
+            break
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(f"{' '.join(flags)}: {getattr(e, 'stderr', '') or e}")
+    else:
+        log.warning("building gemv.c failed (%s): the CPU engine's decode matmuls stay on torch's kernels",
+                    "; ".join(errors))
         return None
+    if "-fopenmp" not in flags:
+        log.warning("gemv.c built without OpenMP (%s): its matmuls run on one thread", compiler)
+    lib.slime_gemv_target.restype = ctypes.c_char_p
     for name in _SYMBOLS.values():
-        fn = getattr(lib, name, None)
-        if fn is not None:
-            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _ARGS, ctypes.c_int
     return lib
+
+
+def target(isa: Isa | None = None) -> str | None:
+    """What the build for ``isa`` was compiled for (``avx512+bf16``, ``avx512``, ``avx2``, ``avx``, ``neon``,
+    ``generic``), None without a build."""
+    lib = load(isa)
+    return None if lib is None else lib.slime_gemv_target().decode()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -117,9 +195,9 @@ class Gemv:
         return y
 
 
-def kernel(dtype: torch.dtype) -> Gemv | None:
-    """The kernel for ``dtype`` (float32 or bfloat16), or None where this machine's build has none."""
-    lib = load()
+def kernel(dtype: torch.dtype, isa: Isa | None = None) -> Gemv | None:
+    """The kernel for ``dtype`` (float32 or bfloat16) built for ``isa``, or None (no compiler, another dtype)."""
+    lib = load(isa)
     name = _SYMBOLS.get(dtype)
     fn = getattr(lib, name, None) if lib is not None and name else None
     return None if fn is None else Gemv(fn, dtype)

@@ -91,6 +91,7 @@ class LeanForward:
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
         self._gemv = gemv.kernel(self.embed.dtype) if decode_kernel == "c" else None
+        self.gemv_target = gemv.target() if self._gemv is not None else None  # what it was built for
         self._onednn = _use_onednn(self.embed.dtype)
         self._decoding = False  # set by decode(): its batch sizes are bounded, a prompt's lengths are not
         self.group = self.n_heads // self.n_kv

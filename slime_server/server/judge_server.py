@@ -38,7 +38,9 @@ class JudgeDeployment:
 def judge_server_settings(settings: ServerSettings, model: str, num_engines: int) -> ServerSettings:
     """The policy's settings with the judge's model and engine count, and a router of its own."""
     return settings.model_copy(update={
-        "engine": settings.engine.model_copy(update={"model": model, "num_engines": num_engines}),
+        # one thread each, anywhere: the judge's engines share the host with the policy's (server/core_share.py)
+        "engine": settings.engine.model_copy(update={"model": model, "num_engines": num_engines,
+                                                     "torch_threads": settings.engine.torch_threads or 1}),
         "router": settings.router.model_copy(update={"port": 0}),
     })
 

@@ -13,6 +13,7 @@ import os
 import signal
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from slime_server.models.tiny import ensure_tiny_model
 from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, log_path_for
 from slime_server.rollout.engine_auth import engine_key
 from slime_server.rollout.router import RouterProcess
+from slime_server.server.core_share import CoreShare
 from slime_server.trainer.settings import LossConfig
 
 log = logging.getLogger(__name__)
@@ -148,6 +150,7 @@ class Deployment:
         self.router = RouterProcess(settings.router, log_path=log_path_for(self.log_dir, "router"),
                                     api_key=self.engine_api_key)
         self._actors: dict[str, Any] = {}  # url -> Ray actor handle
+        self.cores = CoreShare(eng, settings.trainer, local=settings.ray.address is None)
         self._owns_ray = False
         self._next_index = 0
         self._lock = threading.RLock()  # the gateway/trainer may grow or shrink the pool from threads
@@ -174,14 +177,14 @@ class Deployment:
     def engine_urls(self) -> list[str]:
         return list(self._actors)
 
-    def _spec(self, engine: EngineSettings) -> EngineSpec:
+    def _spec(self, engine: EngineSettings, cpus: list[int] | None) -> EngineSpec:
         with self._lock:
             name = f"engine-{self._next_index}"
             self._next_index += 1
         return EngineSpec(
             kind=engine.kind, model_path=self.model_path, host=engine.host, api_key=self.engine_api_key,
-            insecure=engine.insecure,
-            max_running_requests=engine.max_running_requests, torch_threads=engine.torch_threads, cpus=engine.cpus,
+            insecure=engine.insecure, max_running_requests=engine.max_running_requests,
+            torch_threads=engine.torch_threads or 0, cpus=cpus if cpus is not None else engine.cpus,
             cpu_forward=engine.cpu_forward, prefix_cache_mb=engine.prefix_cache_mb, sglang_args=engine.sglang_args, startup_timeout_s=engine.startup_timeout_s,
             health_interval_s=engine.health_interval_s, log_path=log_path_for(self.log_dir, name),
         )
@@ -194,7 +197,10 @@ class Deployment:
         gpus = eng.num_gpus_per_engine if eng.kind == "sglang" else 0
         remote_cls = ray.remote(self.actor_cls).options(num_cpus=eng.num_cpus_per_engine, num_gpus=gpus,
                                                       resources=dict(eng.ray_resources) or None, max_concurrency=4)
-        actors = [remote_cls.remote(self._spec(eng)) for _ in range(n)]
+        with self._lock:
+            shares = self.cores.engine_cores(len(self._actors) + n)
+        new_shares = shares[-n:] if shares else [None] * n
+        actors = [remote_cls.remote(self._spec(eng, cpus)) for cpus in new_shares]
         try:
             urls = ray.get([a.url.remote() for a in actors], timeout=eng.startup_timeout_s + 30)
         except BaseException:
@@ -205,7 +211,32 @@ class Deployment:
             with self._lock:
                 self._actors[url] = actor
             self.router.add_worker(url)
+        self.share_cores()
         return urls
+
+    def share_cores(self) -> None:
+        """Move the local CPU engines onto their default cores now (``server/core_share.py``)."""
+        import ray
+
+        with self._lock:
+            actors = list(self._actors.values())
+            shares = self.cores.engine_cores(len(actors))
+        if shares:
+            ray.get([a.set_cpus.remote(cpus) for a, cpus in zip(actors, shares, strict=True)], timeout=60)
+
+    def begin_training(self) -> tuple[list[int] | None, int | None]:
+        """A job's ranks are starting: the engines move off the ranks' default cores; (cores, threads) for the
+        ranks (None: the trainer settings decide). Pair with ``end_training``."""
+        with self._lock:
+            self.cores.training += 1
+        self.share_cores()
+        return self.cores.trainer_cores(), self.cores.trainer_threads()
+
+    def end_training(self) -> None:
+        """A job's ranks are gone: the engines get the cores back once no job trains."""
+        with self._lock:
+            self.cores.training = max(0, self.cores.training - 1)
+        self.share_cores()
 
     def add_engine(self) -> str:
         return self.add_engines(1)[0]
@@ -221,6 +252,7 @@ class Deployment:
             actor = self._actors.pop(url)
         self.router.remove_worker(url)
         _stop_actor(actor)
+        self.share_cores()
         return url
 
     def engine_status(self) -> list[EngineStatus]:
@@ -279,18 +311,21 @@ def rank_registry(trainer: TrainerSettings) -> Path:
 def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer: Any, loss: dict[str, Any],
                         temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
                         engine_api_key: str | None = None, reference: bool = False, critic: Any = None,
-                        reference_path: str | None = None) -> Any:
+                        reference_path: str | None = None, cores: tuple[list[int] | None, int | None] = (None, None),
+                        on_shutdown: Callable[[], None] | None = None) -> Any:
     """Megatron-core ranks for one job as Ray actors (TP x PP x DP over gloo on CPU, nccl on GPU), set up.
 
     Colocated ranks reserve no CPU of their own: they share the engines' share and the loop pauses
-    generation while they step and push.
+    generation while they step and push. ``cores`` (``Deployment.begin_training``) is where the ranks run and
+    their threads when the trainer settings leave both open; ``on_shutdown`` runs once the group is shut down
+    (``Deployment.end_training``), and if it fails to set up.
     """
     from slime_server.trainer.actor import TrainerGroup, TrainerRankSettings  # lazy: loads torch
     from slime_server.trainer.train_step import TrainStepSettings  # lazy: loads torch
 
     rank_settings = TrainerRankSettings(
         hf_path=model_path, tp_size=trainer.tp_size, pp_size=trainer.pp_size, optimizer=optimizer,
-        torch_threads=trainer.torch_threads, cpus=trainer.cpus,
+        torch_threads=trainer.torch_threads or cores[1] or 1, cpus=trainer.cpus or cores[0],
         train=TrainStepSettings(temperature=temperature, loss=LossConfig(**loss),
                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch
                                 or trainer.max_tokens_per_micro_batch, share_prefixes=trainer.share_prefixes),
@@ -299,7 +334,7 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
     group = TrainerGroup(rank_settings, trainer.num_ranks,
                          num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,
                          num_gpus_per_rank=trainer.num_gpus_per_rank, resources=trainer.ray_resources,
-                         registry=rank_registry(trainer))
+                         registry=rank_registry(trainer), on_shutdown=on_shutdown)
     try:
         group.setup()
     except BaseException:

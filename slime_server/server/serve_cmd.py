@@ -54,11 +54,12 @@ class RunningServer:
 
 def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls: Any,
                 default_evals: list[tuple[str, str]] | None = None, eval_env: str | None = None,
-                push_guard: Any = None, engine_api_key: str | None = None) -> Any:
+                push_guard: Any = None, engine_api_key: str | None = None, deployment: Any = None) -> Any:
     """A JobManager over the gateway's store (jobs in the same SQLite file), restored from it.
 
     ``push_guard`` (``EngineSupervisor.updating_weights``) is entered by every job's loop around its weight
-    pushes, so engines paused for an update are not judged unhealthy."""
+    pushes, so engines paused for an update are not judged unhealthy. ``deployment`` (its ``begin_training``/
+    ``end_training``) moves the engines off the ranks' cores while a job's ranks run."""
     from slime_server.jobs.manager import JobManager  # lazy: loads torch
 
     tr = settings.trainer
@@ -71,7 +72,9 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
         # the policy's log-probs at its sampling temperature (RL); SFT's NLL is the model's own distribution's
         sampled = spec.data.source == "dataset" and spec.data.temperature > 0 and spec.algorithm != "sft"
         temperature = spec.data.temperature if sampled else 1.0
+        cores = deployment.begin_training() if deployment is not None else (None, None)
         return start_trainer_group(model_path, tr, optimizer=spec.optimizer, loss=spec.loss_config(),
+                                   cores=cores, on_shutdown=deployment.end_training if deployment else None,
                                    temperature=temperature,
                                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
                                    engine_api_key=engine_api_key, reference=spec.needs_reference(),
@@ -143,7 +146,8 @@ def start_server(settings: ServerSettings, gw_settings: GatewaySettings, log_dir
         supervisor = EngineSupervisor(lambda: dep.engine_urls, dep.router, api_key=dep.engine_api_key)
         if trainer:  # weights go to the engines in rotation; a restarted one is caught up on its own
             jobs = attach_jobs(app.state.gw, settings, model_path, supervisor.serving_urls, default_evals, eval_env,
-                               push_guard=supervisor.updating_weights, engine_api_key=dep.engine_api_key)
+                               push_guard=supervisor.updating_weights, engine_api_key=dep.engine_api_key,
+                               deployment=dep)
             supervisor.catch_up = jobs.catch_up_engine
         supervisor.start()
         if online is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -272,7 +272,7 @@ class TrainerGroup:
 
     def __init__(self, settings: TrainerRankSettings, world_size: int, *, num_cpus_per_rank: float = 1.0,
                  num_gpus_per_rank: float = 0.0, resources: dict[str, float] | None = None,
-                 registry: str | Path | None = None) -> None:
+                 registry: str | Path | None = None, on_shutdown: Callable[[], None] | None = None) -> None:
         import ray
 
         if world_size % (settings.tp_size * settings.pp_size):
@@ -286,6 +286,7 @@ class TrainerGroup:
         # reaps them. Where the ranks are recorded while they run (utils/shm.record_ranks): a server killed before
         # it could shut them down leaves their buckets in /dev/shm, and the next one on the host removes them
         self.registry = Path(registry) if registry is not None else None
+        self._on_shutdown = on_shutdown  # once, at the first shutdown (the launcher gives the cores back)
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray
@@ -360,6 +361,9 @@ class TrainerGroup:
         for a in self.actors:
             ray.kill(a)
         self.reap_shared_memory()
+        done, self._on_shutdown = self._on_shutdown, None
+        if done is not None:
+            done()
 
     def reap_shared_memory(self, wait_s: float = 10.0) -> tuple[int, int]:
         """Remove the weight buckets (``/dev/shm/torch_<pid>_*``) of this group's rank processes once they are
