@@ -28,9 +28,13 @@ demo: install
 serve: install
 	$(BIN)/slime-server serve --model tiny
 
+# `make test ISA=avx2` (or generic): the suite with every process capped at that instruction set (gemv.c's build,
+# oneDNN, ATen, MKL: rollout/gemv.isa_env), as a CPU without AVX-512 runs it
+ISA ?=
 test: install
 	$(BIN)/python -m ruff check slime_server tools tests
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(if $(ISA),env $$($(BIN)/python -m slime_server.rollout.gemv --env $(ISA))) \
+		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(BIN)/python tools/bench_engine.py

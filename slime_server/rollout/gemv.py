@@ -20,6 +20,7 @@ gives a process the same cap for torch's own kernels (oneDNN, ATen, MKL).
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import hashlib
@@ -201,3 +202,22 @@ def kernel(dtype: torch.dtype, isa: Isa | None = None) -> Gemv | None:
     name = _SYMBOLS.get(dtype)
     fn = getattr(lib, name, None) if lib is not None and name else None
     return None if fn is None else Gemv(fn, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m slime_server.rollout.gemv``: what this machine builds; ``--env ISA``: the caps as ``K=V``."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--env", choices=get_args(Isa), help="print the environment that caps a process at ISA")
+    args = ap.parse_args(argv)
+    if args.env:
+        if args.env not in runnable_isas():
+            raise SystemExit(f"error: this CPU cannot run {args.env} (it can: {', '.join(runnable_isas())})")
+        print(" ".join(f"{k}={v}" for k, v in isa_env(args.env).items()))
+        return 0
+    isa = requested_isa()
+    print(f"{ISA_ENV}={isa}: gemv.c built for {target(isa)} (this CPU runs: {', '.join(runnable_isas())})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
