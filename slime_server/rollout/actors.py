@@ -176,10 +176,7 @@ class EngineActor:
         with self._lock:
             self.spec = self.spec.model_copy(update={"cpus": list(cpus)})
             if self._proc is not None and self._proc.poll() is None:
-                try:
-                    pin_pid(self._proc.pid, cpus)
-                except ProcessLookupError:
-                    pass  # it died meanwhile: the monitor restarts it on the new cores
+                pin_pid(self._proc.pid, cpus)  # one that died meanwhile has no threads left to move
 
     def status(self) -> EngineStatus:
         alive = self._proc is not None and self._proc.poll() is None

@@ -331,10 +331,15 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
                                 or trainer.max_tokens_per_micro_batch, share_prefixes=trainer.share_prefixes),
         megatron_args=trainer.megatron_args, engine_api_key=engine_api_key, weight_sync=trainer.weight_sync,
         reference=reference, reference_path=reference_path, critic=critic)
-    group = TrainerGroup(rank_settings, trainer.num_ranks,
-                         num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,
-                         num_gpus_per_rank=trainer.num_gpus_per_rank, resources=trainer.ray_resources,
-                         registry=rank_registry(trainer), on_shutdown=on_shutdown)
+    try:
+        group = TrainerGroup(rank_settings, trainer.num_ranks,
+                             num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,
+                             num_gpus_per_rank=trainer.num_gpus_per_rank, resources=trainer.ray_resources,
+                             registry=rank_registry(trainer), on_shutdown=on_shutdown)
+    except BaseException:  # no group to shut down: give its cores back here
+        if on_shutdown is not None:
+            on_shutdown()
+        raise
     try:
         group.setup()
     except BaseException:
