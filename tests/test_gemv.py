@@ -123,6 +123,28 @@ def test_the_kernel_equals_torch_on_a_models_shapes(isa: str) -> None:
                                    (torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]) @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype) -> None:
+    """Threads split the rows into runs (gemv.c's thread_rows): a row's arithmetic must not depend on which
+    thread takes it, nor on threads left without a block (fewer blocks than threads), nor on the prefetch of
+    the next block that more rows of x than one pass turn on."""
+    kernel = gemv.kernel(dtype)
+    g = torch.Generator().manual_seed(11)
+    before = torch.get_num_threads()
+    try:
+        for m, n, k in [(1, 8, 64), (2, 24, 64), (8, 960, 576), (5, 1029, 577)]:
+            x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+            r, norm = torch.randn(m, n, generator=g).to(dtype), (torch.rand(k, generator=g) + 0.5).to(dtype)
+            results = []
+            for threads in (1, 2, 3, 7):
+                torch.set_num_threads(threads)
+                results.append(kernel(x, w, norm=norm, eps=EPS, resid=r))
+            for y in results[1:]:
+                assert torch.equal(y, results[0]), (m, n, k)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_shape_that_does_not_fit_is_refused() -> None:
     kernel = gemv.kernel(torch.float32)
     with pytest.raises(ValueError, match="does not fit"):
