@@ -51,6 +51,20 @@ def test_filters_only_restrict_sampling() -> None:
         assert abs(lp - float(torch.log_softmax(logits / 0.5, -1)[tok])) < 1e-6  # pre-filter log-prob
 
 
+def test_top_p_on_a_large_vocabulary_keeps_what_the_full_sort_keeps() -> None:
+    """top_p reads a topk prefix first and sorts the whole row only when the cut lies past it: peaked rows
+    (an LM's usual) and flat ones (the cut past the prefix) keep exactly the tokens of SGLang's rule."""
+    g = torch.Generator().manual_seed(3)
+    for scale in (0.1, 1.0, 4.0, 12.0):  # flat (cut past the prefix) to peaked (cut within the first tokens)
+        probs = torch.softmax(torch.randn(49152, generator=g) * scale, 0)
+        ordered, order = torch.sort(probs, descending=True)
+        for top_p in (0.05, 0.5, 0.9, 0.99):
+            want = torch.zeros(49152, dtype=torch.bool)
+            want[order[torch.cumsum(ordered, 0) - ordered <= top_p]] = True  # mass strictly above <= top_p
+            got = filtered_probs(probs, SamplingParams(top_p=top_p)) > 0
+            assert torch.equal(got, want), (scale, top_p, int(got.sum()), int(want.sum()))
+
+
 def test_greedy_in_process_matches_hf_across_kv_growth(engine, tiny_model_path) -> None:
     n = KV_INITIAL_HEADROOM + 20  # the K/V buffers grow once mid-generation
     (out,) = engine.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True))

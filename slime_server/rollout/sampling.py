@@ -48,12 +48,31 @@ def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(probs, params.top_k).values[-1]
         keep &= probs >= kth
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
-        drop_sorted = before > params.top_p
-        drop = torch.zeros_like(keep)
-        drop[order] = drop_sorted
-        keep &= ~drop
+        keep &= _top_p_keep(probs, params.top_p)
     if params.min_p > 0.0:
         keep &= probs >= params.min_p * probs.max()
     return torch.where(keep, probs, torch.zeros_like(probs))
+
+
+TOP_P_PREFIX = 1024  # tokens read by topk before a full sort (49k-token row: topk 84 us, sort 3.5 ms)
+
+
+def _top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens kept by top-p: those with at most ``top_p`` of the mass strictly above them (SGLang's rule).
+
+    Why a topk prefix first: the kept tokens are a prefix of the row sorted by probability, and an LM's
+    row usually puts top_p of its mass in its first few hundred tokens, so the largest ``TOP_P_PREFIX``
+    decide it; a full sort (40x slower on a 49k vocabulary) only when the prefix holds no dropped token. The
+    prefix's values are the sorted row's first values, summed in the same order, so the same positions are
+    kept as with the full sort."""
+    n = probs.numel()
+    k = min(n, TOP_P_PREFIX)
+    top, order = torch.topk(probs, k) if k < n else torch.sort(probs, descending=True)
+    drop_sorted = torch.cumsum(top, 0) - top > top_p  # mass strictly above each token
+    if k < n and not bool(drop_sorted[-1]):  # the prefix ends before the cut: sort the whole row
+        top, order = torch.sort(probs, descending=True)
+        drop_sorted = torch.cumsum(top, 0) - top > top_p
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[order[~drop_sorted]] = True
+    return keep
+
