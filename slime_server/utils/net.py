@@ -9,6 +9,8 @@ import time
 
 import httpx
 
+from slime_server.utils.listeners import owns_listener
+
 # SGLang's engines (SGLANG_TIMEOUT_KEEP_ALIVE, default 5 s) and ours (uvicorn's default, 5 s) close a connection
 # idle that long. httpx keeps one idle for 5 s too: a call made just as the server closes it reuses a dead socket
 # and fails with "connection reset by peer" (CI: a weight push's /pause_generation after an eval's 5 s pause).
@@ -35,17 +37,24 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 def wait_http_ok(url: str, timeout: float = 60.0, interval: float = 0.1, proc=None,
                  headers: dict[str, str] | None = None) -> None:
-    """Poll ``url`` until it answers 2xx; raise TimeoutError (or RuntimeError if ``proc`` died)."""
+    """Poll ``url`` until it answers 2xx; raise TimeoutError (or RuntimeError if ``proc`` died).
+
+    With ``proc``, a 2xx counts only once ``proc`` (or its session) listens on the URL's port: until then
+    the answer is another process's, which took the port after it was chosen (utils/listeners.py)."""
     deadline = time.monotonic() + timeout
     last: str = ""
+    port = httpx.URL(url).port
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with code {proc.returncode} before {url} was ready")
         try:
             r = httpx.get(url, timeout=2.0, headers=headers)
             if r.status_code < 300:
-                return
-            last = f"HTTP {r.status_code}"
+                if proc is None or port is None or owns_listener(proc.pid, port) is not False:
+                    return
+                last = f"HTTP {r.status_code} from a process other than pid {proc.pid}"
+            else:
+                last = f"HTTP {r.status_code}"
         except httpx.HTTPError as e:
             last = repr(e)
         time.sleep(interval)
