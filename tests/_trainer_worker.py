@@ -57,6 +57,14 @@ def run(job: dict[str, Any], rendezvous: Any, port_file: str | None) -> None:
         if i + 1 == job["save_at"]:
             rank.save_checkpoint(job["ckpt"])
     weights = rank.hf_state_dict()
+    adapter, base = {}, {}
+    if settings.lora is not None:  # a LoRA run: its adapter (PEFT names) and the base under it
+        from slime_server.trainer.lora import adapters_disabled
+        from slime_server.trainer.peft_io import peft_state_dict
+
+        adapter = peft_state_dict(rank.bundle.model)
+        with adapters_disabled(rank.bundle.model):
+            base = rank.hf_state_dict()
     pushes = []
     for k in range(job["pushes"]):  # device memory before and after each push: the IPC buckets must not pile up
         before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
@@ -65,7 +73,7 @@ def run(job: dict[str, Any], rendezvous: Any, port_file: str | None) -> None:
         pushes.append({"stats": stats, "allocated_before": before, "allocated_after": after})
     if layout["rank"] == 0:
         torch.save({"metrics": metrics, "weights": weights, "layout": layout, "resumed": resumed,
-                    "initial_logprob": initial_logprob, "pushes": pushes,
+                    "initial_logprob": initial_logprob, "pushes": pushes, "adapter": adapter, "base": base,
                     "device": "cuda" if torch.cuda.is_available() else "cpu"}, job["out"])
     if getattr(rank, "_pusher", None) is not None:
         rank._pusher.close()

@@ -24,7 +24,7 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from slime_server.trainer.actor import TrainerRankSettings
-    from slime_server.trainer.settings import LossConfig, OptimizerSettings
+    from slime_server.trainer.settings import LoRASettings, LossConfig, OptimizerSettings
     from slime_server.trainer.train_step import TrainStepSettings
 
     tmp = tmp_path_factory.mktemp("trainer_tp")
@@ -37,7 +37,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     samples = make_batch(vocab_size=101, n=6, seed=1, shared=True)  # the token tree on every layout
     assert sum(mb.tree is not None for mb in pack_samples(samples, 64, share_prefixes=True)) >= 2
-    out: dict[str, Any] = {"settings": settings.model_dump(), "samples": samples}
+    out: dict[str, Any] = {"settings": settings.model_dump(), "samples": samples, "hf": hf_dir}
     # tied embeddings across stages (the last stage's output layer is the first stage's embedding: its
     # gradient is summed over both), two layers per stage
     tied_dir = tmp / "hf-tied"
@@ -47,6 +47,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # a KL term to a frozen reference: the reference model is pipelined like the policy
     kl = tied.model_copy(update={"reference": True, "train": tied.train.model_copy(update={
         "loss": LossConfig(loss_type="grpo", kl_coef=0.5, kl_type="low_var_kl")})})
+    # LoRA (issue 43): an adapter over the frozen base; its KL reference is the base with the adapter off
+    lora = settings.model_copy(update={"lora": LoRASettings(rank=4, alpha=8.0)})
+    lora_kl = kl.model_copy(update={"lora": LoRASettings(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj",
+                                                                                          "o_proj", "down_proj"])})
     # name, world size, settings, extra keys of the run; grouped by world size, each group one set of rank processes
     runs: list[tuple[str, int, Any, dict[str, Any]]] = [
         ("tp1", 1, settings, {"save_at": 1, "ckpt": tmp / "ckpt-tp1"}),
@@ -60,6 +64,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
          {"steps": STEPS - 1, "load": tmp / "ckpt-tp1"}),
         ("pp2_to_tp2", 2, settings.model_copy(update={"tp_size": 2}), {"steps": STEPS - 1, "load": tmp / "ckpt-pp2"}),
         ("tp2pp2", 4, settings.model_copy(update={"tp_size": 2, "pp_size": 2}), {}),
+        ("lora_tp1", 1, lora, {"save_at": 1, "ckpt": tmp / "ckpt-lora-tp1"}),
+        ("lora_tp1_resumed", 1, lora, {"steps": STEPS - 1, "load": tmp / "ckpt-lora-tp1"}),
+        ("lora_kl_pp1", 1, lora_kl, {}),
+        ("lora_tp2", 2, lora.model_copy(update={"tp_size": 2}), {}),
+        ("lora_kl_pp2", 2, lora_kl.model_copy(update={"pp_size": 2}), {}),
+        ("lora_tp1_to_pp2", 2, lora.model_copy(update={"pp_size": 2}), {"steps": STEPS - 1, "load": tmp / "ckpt-lora-tp1"}),
+        ("lora_kl_tp2pp2", 4, lora_kl.model_copy(update={"tp_size": 2, "pp_size": 2}), {}),
     ]
     for world in (1, 2, 4):
         jobs = []
@@ -74,6 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         run_plan(world, tmp, jobs)
     for name, *_ in runs:
         out[name] = load_result(tmp / name / "out.pt")
+    out["hf_tied"], out["ckpt_lora"] = tied_dir, tmp / "ckpt-lora-tp1"
     return out
 
 
@@ -166,3 +178,63 @@ def test_a_checkpoint_resumes_on_another_layout(runs: dict[str, dict], name: str
     for k, w in ref["weights"].items():
         diff = (run["weights"][k] - w).abs()
         assert diff.max() < 5e-4 and diff.mean() < 1e-6, (k, float(diff.max()), float(diff.mean()))
+
+
+def _assert_close_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        diff = (got[k] - w).abs()
+        assert diff.max() < 5e-4 and diff.mean() < 1e-6, (k, float(diff.max()), float(diff.mean()))
+
+
+@pytest.mark.parametrize("name", ["lora_tp1", "lora_tp2", "lora_kl_pp1", "lora_kl_pp2", "lora_kl_tp2pp2"])
+def test_lora_trains_the_adapter_alone_on_every_layout(runs: dict[str, dict], name: str) -> None:
+    """Issue 43: a LoRA job trains only its adapter: the base under it is the HF checkpoint bit for bit after 3
+    steps, the adapter moved, the policy learned; TP = 2 (B split by rows on qkv / fc1, A by columns on proj /
+    fc2), PP = 2 (tied embeddings) and both give TP = 1's loss, grad norm, log-probs and adapter. The KL term's
+    reference is the base with the adapter off: 0 at the first step (B starts at 0), then part of the loss."""
+    from slime_server.trainer.convert import read_hf_state_dict
+
+    run = runs[name]
+    ref = runs["lora_kl_pp1" if "kl" in name else "lora_tp1"]
+    original = read_hf_state_dict(runs["hf_tied" if "kl" in name else "hf"])
+    original.pop("lm_head.weight", None) if "kl" in name else None
+    assert run["base"].keys() == original.keys()
+    assert all(torch.equal(run["base"][k], original[k]) for k in original), "the base weights changed"
+    adapter = run["adapter"]
+    bs = [t for k, t in adapter.items() if ".lora_B." in k]
+    assert bs and all(float(b.abs().max()) > 0 for b in bs), "B starts at 0 and must have trained"
+    assert any(not torch.equal(run["weights"][k], original[k]) for k in original)  # the push serves the merge
+    logprob = _series(run, "masked_logprob_sum")
+    assert len(set(logprob)) == STEPS  # the policy changes every step (advantages of both signs: no direction)
+    if "kl" in name:
+        kl = _series(run, "kl")
+        assert kl[0] == pytest.approx(0.0, abs=1e-9) and kl[-1] > 0
+        assert {k.split(".")[-3] for k in adapter} == {"q_proj", "v_proj", "o_proj", "down_proj"}
+    if run is ref:
+        return
+    assert _series(run, "loss") == pytest.approx(_series(ref, "loss"), abs=1e-5, rel=0)
+    assert _series(run, "masked_logprob_sum") == pytest.approx(logprob := _series(ref, "masked_logprob_sum"),
+                                                               abs=1e-3, rel=1e-6)
+    for key in ("grad_norm", "kl") if "kl" in name else ("grad_norm",):
+        assert _series(run, key) == pytest.approx(_series(ref, key), abs=1e-5, rel=1e-5)
+    _assert_close_tensors(run["adapter"], ref["adapter"])
+    _assert_close_tensors(run["weights"], ref["weights"])
+
+
+@pytest.mark.parametrize("name", ["lora_tp1_resumed", "lora_tp1_to_pp2"])
+def test_a_lora_checkpoint_resumes(runs: dict[str, dict], name: str) -> None:
+    """A LoRA checkpoint holds the adapter and its Adam state (not the base); resumed on the same layout or on
+    PP = 2 after step 1, steps 2 and 3 are the uninterrupted run's."""
+    from slime_server.trainer.lora import is_adapter_name
+
+    ref, run = runs["lora_tp1"], runs[name]
+    saved = torch.load(runs["ckpt_lora"] / "rank_00000.pt", weights_only=True)
+    portable = torch.load(runs["ckpt_lora"] / "portable.pt", weights_only=True)
+    tensors = {k for k, v in saved["model"].items() if isinstance(v, torch.Tensor)}  # beside Megatron's _extra_state
+    assert tensors and all(is_adapter_name(k) for k in tensors)
+    assert portable["weights"].keys() == portable["exp_avg"].keys() == tensors
+    assert run["resumed"] == {"step": 1, "policy_version": 1}
+    assert _series(run, "loss") == pytest.approx(_series(ref, "loss")[1:], abs=1e-5, rel=0)
+    assert _series(run, "grad_norm") == pytest.approx(_series(ref, "grad_norm")[1:], abs=1e-5, rel=1e-5)
+    _assert_close_tensors(run["adapter"], ref["adapter"])

@@ -21,11 +21,13 @@ from pydantic import BaseModel, Field
 from slime_server.trainer.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from slime_server.trainer.convert import iter_hf_tensors, load_hf_checkpoint_into
 from slime_server.trainer.critic import build_value_model, compute_values, critic_step
+from slime_server.trainer.lora import adapters_disabled, attach_lora
 from slime_server.trainer.model import build_gpt_model
 from slime_server.trainer.optimizer import OptimizerBundle, build_optimizer
 from slime_server.trainer.parallel import destroy_parallel, init_parallel, open_rendezvous
+from slime_server.trainer.peft_io import save_peft_adapter
 from slime_server.trainer.pipeline import gather_stages, pipeline_hf_tensors
-from slime_server.trainer.settings import CriticSettings, OptimizerSettings
+from slime_server.trainer.settings import CriticSettings, LoRASettings, OptimizerSettings
 from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
 from slime_server.trainer.types import TrainSample
 from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher, is_push_sender
@@ -73,6 +75,9 @@ class TrainerRankSettings(BaseModel):
                             "the KL loss and KL reward shaping; costs one more copy of the weights and a forward")
     critic: CriticSettings | None = Field(None, description="train a value model (PPO with GAE) beside the policy, "
                                           "initialised from hf_path; checkpointed with it")
+    lora: LoRASettings | None = Field(None, description="train a LoRA adapter over the frozen base (only the "
+                                      "adapter in the optimizer and the checkpoints); its KL reference is the base "
+                                      "with the adapter switched off, unless reference_path names another model")
     portable_checkpoints: bool = Field(True, description="checkpoints also hold the policy gathered on rank 0 "
                                        "(weights, Adam moments), so they resume on another TP x PP layout; off for "
                                        "models too large to gather on one rank")
@@ -124,13 +129,19 @@ class TrainerRank:
         layout = init_parallel(tp_size=self.settings.tp_size, pp_size=self.settings.pp_size, seed=self.settings.seed,
                                store=self._store)
         dtype = torch.bfloat16 if self.settings.bf16 else torch.float32
+        lora = self.settings.lora
+        # LoRA hooks the local spec's linears (TransformerEngine's fuse the input norm into linear_qkv)
         model = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype,
-                                **self.settings.megatron_args)
+                                **({"use_te": False} if lora else {}), **self.settings.megatron_args)
         if torch.cuda.is_available():
             model = model.cuda()
         load_hf_checkpoint_into(model, self.settings.hf_path)
+        if lora is not None:
+            attach_lora(model, lora, seed=self.settings.seed)
         self.bundle = build_optimizer(model, self.settings.optimizer)
-        if self.settings.reference:  # same layout (TP shards, PP stages) as the policy, never trained or saved
+        if self.settings.reference and lora is not None and self.settings.reference_path is None:
+            pass  # the base under the adapter is the reference (_reference_logprobs)
+        elif self.settings.reference:  # same layout (TP shards, PP stages) as the policy, never trained or saved
             ref = build_gpt_model(AutoConfig.from_pretrained(self.settings.hf_path), params_dtype=dtype,
                                   **self.settings.megatron_args)
             if torch.cuda.is_available():
@@ -158,8 +169,8 @@ class TrainerRank:
         """One optimizer step on the global batch; the policy version advances when weights changed.
 
         With a reference model and no ``ref_logprobs`` given, they are computed here (the KL term)."""
-        if ref_logprobs is None and self.reference is not None:
-            ref_logprobs = self._logprobs(self.reference, samples)
+        if ref_logprobs is None and self.has_reference():
+            ref_logprobs = self._reference_logprobs(samples)
         metrics = train_step(self._ready(), samples, self.settings.train,
                              old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
         self.step += 1
@@ -171,10 +182,21 @@ class TrainerRank:
     def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]]:
         """Per-sample token log-probs under the current weights, or the reference model's (plain lists:
         cheap to ship over Ray)."""
-        if reference and self.reference is None:
+        if reference and not self.has_reference():
             raise RuntimeError("this trainer has no reference model (TrainerRankSettings.reference)")
-        model = self.reference if reference else self._ready().model
-        return [lp.tolist() for lp in self._logprobs(model, samples)]
+        lps = self._reference_logprobs(samples) if reference else self._logprobs(self._ready().model, samples)
+        return [lp.tolist() for lp in lps]
+
+    def has_reference(self) -> bool:
+        return self.reference is not None or (self.settings.reference and self.settings.lora is not None)
+
+    def _reference_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+        """The KL reference's log-probs: the frozen reference model's, or a LoRA policy's base (adapter off)."""
+        if self.reference is not None:
+            return self._logprobs(self.reference, samples)
+        model = self._ready().model
+        with adapters_disabled(model):
+            return self._logprobs(model, samples)
 
     def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         """The critic's per-token values (aligned to the tokens), as plain lists."""
@@ -213,6 +235,13 @@ class TrainerRank:
         meta: CheckpointMeta = load_checkpoint(path, self._ready())
         self.step, self.policy_version = meta.step, meta.policy_version
         return {"step": self.step, "policy_version": self.policy_version}
+
+    def save_adapter(self, path: str, base_model: str | None = None) -> str:
+        """The LoRA adapter as a PEFT directory at ``path`` (collective; rank 0 writes)."""
+        if self.settings.lora is None:
+            raise RuntimeError("this trainer has no LoRA adapter (TrainerRankSettings.lora)")
+        return str(save_peft_adapter(path, self._ready().model, self.settings.lora,
+                                     base_model or self.settings.hf_path))
 
     def named_hf_tensors(self, staging: Staging | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (TP shards all-gathered; with PP > 1 the later stages' streamed to the first)

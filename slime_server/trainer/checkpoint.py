@@ -69,6 +69,25 @@ def _parallel_sizes() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
 
 
+def _frozen_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if not p.requires_grad}
+
+
+def trained_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's state dict without its frozen parameters (a LoRA job's base: it is the HF checkpoint the job
+    starts from, loaded again on resume); the whole state dict when everything trains."""
+    frozen = _frozen_names(model)
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
+def load_trained_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Inverse of ``trained_state``: every trained tensor must be there, and nothing else."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - _frozen_names(model):
+        raise ValueError(f"checkpoint does not fit this model: missing {sorted(set(missing) - _frozen_names(model))[:5]}"
+                         f", unexpected {sorted(unexpected)[:5]} (a LoRA checkpoint needs the same lora settings)")
+
+
 def capture_rng() -> dict[str, Any]:
     """Every RNG stream a training step can touch (CPU, CUDA, Megatron's model-parallel tracker)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -134,7 +153,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     state = {
-        "model": unwrap(bundle.model).state_dict(),
+        "model": trained_state(unwrap(bundle.model)),
         "optimizer": bundle.optimizer.state_dict(),
         "scheduler": bundle.scheduler.state_dict(),
         "rng": capture_rng(),
@@ -176,7 +195,7 @@ def load_checkpoint(path: str | Path, bundle: OptimizerBundle) -> CheckpointMeta
         load_portable(Path(path), bundle)
         return meta
     state = torch.load(Path(path) / f"rank_{_rank():05d}.pt", map_location="cpu", weights_only=True)
-    unwrap(bundle.model).load_state_dict(state["model"], strict=True)
+    load_trained_state(unwrap(bundle.model), state["model"])
     bundle.optimizer.load_state_dict(state["optimizer"])
     bundle.scheduler.load_state_dict(state["scheduler"])
     restore_rng(state["rng"])

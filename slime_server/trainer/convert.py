@@ -25,6 +25,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slime_server.trainer.lora import (
+    LINEARS,
+    adapter_partition_dim,
+    branches,
+    full_delta,
+    is_adapter_name,
+    part_sizes,
+)
 from slime_server.trainer.model import ModelArch, unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -91,6 +99,9 @@ def split_for_tp(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> t
     if tp_size == 1:
         return full
     suffix = _suffix(name)
+    if is_adapter_name(name):
+        dim = adapter_partition_dim(name)
+        return full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank].contiguous()
     if suffix in _COLUMN_PARALLEL or suffix in _VOCAB_PARALLEL:
         return full.chunk(tp_size, dim=0)[tp_rank].contiguous()
     if suffix in _ROW_PARALLEL:
@@ -106,6 +117,9 @@ def gather_from_tp(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     if len(shards) == 1:
         return shards[0]
     suffix = _suffix(name)
+    if is_adapter_name(name):
+        dim = adapter_partition_dim(name)
+        return shards[0] if dim is None else torch.cat(shards, dim=dim)
     if suffix in _COLUMN_PARALLEL or suffix in _VOCAB_PARALLEL:
         return torch.cat(shards, dim=0)
     if suffix in _ROW_PARALLEL:
@@ -211,13 +225,13 @@ def megatron_to_hf(mg_state: Mapping[str, torch.Tensor], arch: ModelArch) -> Ite
 # ---------------------------------------------------------------- live model I/O
 
 
-def _layer_offset(model: nn.Module) -> int:
+def layer_offset(model: nn.Module) -> int:
     """Global index of this pipeline stage's first layer (Megatron names layers per stage)."""
     layers = model.decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-def _to_global(name: str, offset: int) -> str:
+def to_global(name: str, offset: int) -> str:
     m = _LAYER.match(name)
     return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
 
@@ -231,24 +245,28 @@ def global_parameter_names(model: nn.Module) -> Iterator[tuple[str, nn.Parameter
     """(global Megatron name, parameter) for this stage's parameters; a last stage's copy of tied embeddings is
     left out (the first stage's embedding is the tensor, and their updates are the same)."""
     inner = unwrap(model)
-    offset = _layer_offset(inner)
+    offset = layer_offset(inner)
     for name, param in inner.named_parameters():
-        key = _to_global(name, offset)
+        key = to_global(name, offset)
         if key == "output_layer.weight" and inner.arch.tied_embeddings:
             continue
         yield key, param
 
 
-def megatron_shards(model: nn.Module, full_state: Mapping[str, torch.Tensor]) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+def megatron_shards(model: nn.Module, full_state: Mapping[str, torch.Tensor], *, trainable_only: bool = False,
+                    ) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
     """(parameter, its shard of ``full_state``) for this rank's (TP shard, PP stage) parameters: a full Megatron
-    state dict (weights, or anything shaped like them: Adam moments) cut to this layout."""
+    state dict (weights, or anything shaped like them: Adam moments) cut to this layout. ``trainable_only``: the
+    parameters that train (a LoRA job's adapters), not the frozen base."""
     from megatron.core import parallel_state as ps
 
     inner = unwrap(model)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    offset = _layer_offset(inner)
+    offset = layer_offset(inner)
     for name, param in inner.named_parameters():
-        key = _to_global(name, offset)
+        if trainable_only and not param.requires_grad:
+            continue
+        key = to_global(name, offset)
         if key == "output_layer.weight" and inner.arch.tied_embeddings:
             key = "embedding.word_embeddings.weight"  # last PP stage's copy of the tied embedding
         if key not in full_state:
@@ -294,13 +312,38 @@ def iter_hf_tensors(model: nn.Module, staging: Staging | None = None) -> Iterato
 
     Every rank of the TP group must iterate (the gathers are collectives); all get full tensors.
     Most tensors (all but q/k/v at TP = 1) are views of the live parameters: copy them (e.g. into a
-    bucket) before the next optimizer step. ``staging``: see ``megatron_tensor_to_hf``.
+    bucket) before the next optimizer step. ``staging``: see ``megatron_tensor_to_hf``. A LoRA model's adapted
+    weights come merged (``W + scaling * B A``, computed in fp32): what an engine that takes no adapter serves.
     """
     inner = unwrap(model)
-    offset = _layer_offset(inner)
+    offset = layer_offset(inner)
+    adapted = {path: b for path, b in branches(inner) if b.enabled}  # inside adapters_disabled: the base alone
     for name, param in inner.named_parameters():
-        key = _to_global(name, offset)
-        yield from megatron_tensor_to_hf(key, gather_tp(key, param, param.detach()), inner.arch, staging)
+        if is_adapter_name(name):
+            continue  # merged into its base weight below
+        key = to_global(name, offset)
+        full = gather_tp(key, param, param.detach())
+        linear = name.removesuffix(".weight")
+        if linear in adapted:
+            full = full + _adapter_delta(inner, linear, offset).to(full.device, full.dtype)
+        yield from megatron_tensor_to_hf(key, full, inner.arch, staging)
+
+
+def _adapter_delta(inner: nn.Module, linear: str, offset: int) -> torch.Tensor:
+    """The full ``scaling * B A`` of the adapters on ``linear`` (a local module path), TP shards gathered (collective
+    of the TP group), in the base weight's layout: what merging the adapter adds to that weight."""
+    branch = inner.get_submodule(linear).lora
+    pairs = {}
+    for part, pair in branch.pairs.items():
+        full_ab = []
+        for matrix in ("lora_A", "lora_B"):
+            param = getattr(pair, matrix)
+            key = to_global(f"{linear}.lora.{part}.{matrix}", offset)
+            full_ab.append(gather_tp(key, param, param.detach()))
+        pairs[part] = (full_ab[0], full_ab[1])
+    suffix = next(s for s in LINEARS if linear.endswith(s))
+    groups = inner.arch.num_kv_heads if suffix.endswith("linear_qkv") else 0
+    return full_delta(branch, pairs, part_sizes(inner.arch, suffix), groups)
 
 
 def gather_tp(key: str, param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:

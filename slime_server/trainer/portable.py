@@ -59,6 +59,8 @@ def full_state(bundle: OptimizerBundle) -> dict[str, dict[str, torch.Tensor]] | 
     inner = unwrap(bundle.model)
     out: dict[str, dict[str, torch.Tensor]] = {"weights": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for key, param in global_parameter_names(inner):
+        if not param.requires_grad:
+            continue  # frozen (a LoRA job's base): the HF checkpoint the job starts from
         opt, _ = held[id(param)]
         state = opt.state.get(param, {})
         for part in out:
@@ -92,9 +94,9 @@ def load_portable(directory: Path, bundle: OptimizerBundle) -> None:
     saved = torch.load(directory / PORTABLE_FILE, map_location="cpu", weights_only=True)
     held = adam_state_of(bundle)
     inner = unwrap(bundle.model)
-    moments = {part: dict(megatron_shards(inner, saved[part])) for part in MOMENTS}
+    moments = {part: dict(megatron_shards(inner, saved[part], trainable_only=True)) for part in MOMENTS}
     with torch.no_grad():
-        for param, shard in megatron_shards(inner, saved["weights"]):
+        for param, shard in megatron_shards(inner, saved["weights"], trainable_only=True):
             param.copy_(shard)
             opt, _ = held[id(param)]
             prior = opt.state.get(param, {})

@@ -80,6 +80,43 @@ class OptimizerSettings(BaseModel):
         return self
 
 
+# PEFT's names of the projections a LoRA adapter can sit on (Llama / Qwen); "all-linear" is all of them
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRASettings(BaseModel):
+    """A low-rank adapter beside the frozen base (PEFT's ``LoraConfig`` fields, PEFT's defaults): the policy is
+    ``W x + scaling * B A dropout(x)``, scaling = alpha / rank (alpha / sqrt(rank) with ``use_rslora``)."""
+
+    model_config = {"extra": "forbid"}
+
+    rank: int = Field(16, ge=1, le=1024, description="r: the adapter's rank")
+    alpha: float = Field(32.0, gt=0, description="lora_alpha")
+    dropout: float = Field(0.0, ge=0, lt=1, description="lora_dropout: on the adapter's input, training only")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description=f"PEFT module names out of {', '.join(LORA_TARGETS)}, or 'all-linear'")
+    use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(rank)")
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRASettings:
+        if self.target_modules != "all-linear":
+            unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+            if unknown or not self.target_modules:
+                raise ValueError(f"lora.target_modules: unknown {unknown or 'empty list'}; known: "
+                                 f"{', '.join(LORA_TARGETS)} or 'all-linear'")
+        return self
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The targeted PEFT names, in ``LORA_TARGETS`` order."""
+        chosen = LORA_TARGETS if self.target_modules == "all-linear" else set(self.target_modules)
+        return tuple(t for t in LORA_TARGETS if t in chosen)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (self.rank ** 0.5 if self.use_rslora else self.rank)
+
+
 class CriticSettings(BaseModel):
     optimizer: OptimizerSettings = Field(default_factory=lambda: OptimizerSettings(lr=1e-5))
     init_from: str | None = Field(None, description="HF checkpoint directory the value model's trunk starts from "

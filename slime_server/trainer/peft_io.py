@@ -1,0 +1,125 @@
+"""A trained LoRA adapter in Hugging Face PEFT's format, and back.
+
+``adapter_config.json`` + ``adapter_model.safetensors`` with PEFT's tensor names
+(``base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`` [rank, in], ``...lora_B.weight`` [out, rank]):
+what ``peft.PeftModel.from_pretrained`` loads and SGLang's ``/load_lora_adapter`` reads (``lora_path``). The
+tensors are full: TP shards gathered, pipeline stages merged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from slime_server.trainer.convert import gather_tp, layer_offset, megatron_shards, to_global
+from slime_server.trainer.lora import HF_MODULE, LINEARS, is_adapter_name
+from slime_server.trainer.model import unwrap
+from slime_server.trainer.pipeline import gather_stages
+from slime_server.trainer.settings import LoRASettings
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_MEGATRON = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora\.(\w+)\.lora_([AB])$")
+_PEFT = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+def peft_name(megatron_name: str) -> str:
+    """``decoder.layers.3.self_attention.linear_qkv.lora.k_proj.lora_A`` -> PEFT's
+    ``base_model.model.model.layers.3.self_attn.k_proj.lora_A.weight``."""
+    m = _MEGATRON.match(megatron_name)
+    if m is None:
+        raise KeyError(f"{megatron_name!r} is not a global adapter parameter name")
+    layer, _, part, matrix = m.groups()
+    return f"base_model.model.model.layers.{layer}.{HF_MODULE[part]}.{part}.lora_{matrix}.weight"
+
+
+def megatron_name(peft: str) -> str:
+    """Inverse of ``peft_name``."""
+    m = _PEFT.match(peft)
+    if m is None or m.group(3) not in HF_MODULE:
+        raise KeyError(f"{peft!r} is not a PEFT LoRA tensor of a Llama / Qwen projection")
+    layer, _, part, matrix = m.groups()
+    linear = next(path for path, (_, parts) in LINEARS.items() if part in parts)
+    return f"decoder.layers.{layer}.{linear}.lora.{part}.lora_{matrix}"
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every adapter tensor, full, under its global Megatron name, on every rank (collective: TP gathers, then
+    the pipeline stages merged)."""
+    inner = unwrap(model)
+    offset = layer_offset(inner)
+    local = {}
+    for name, param in inner.named_parameters():
+        if is_adapter_name(name):
+            key = to_global(name, offset)
+            local[key] = gather_tp(key, param, param.detach()).to("cpu", copy=True)
+    return gather_stages(local)
+
+
+def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter under PEFT's names (collective)."""
+    return {peft_name(k): v.contiguous() for k, v in sorted(adapter_state(model).items())}
+
+
+def adapter_config(settings: LoRASettings, base_model: str) -> dict[str, Any]:
+    """PEFT's ``LoraConfig`` as JSON for this adapter."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+        "target_modules": list(settings.targets), "use_rslora": settings.use_rslora, "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_dora": False,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+        "alpha_pattern": {}, "revision": None,
+    }
+
+
+def save_peft_adapter(directory: str | Path, model: nn.Module, settings: LoRASettings, base_model: str) -> Path:
+    """Write the adapter as a PEFT directory (collective; global rank 0 writes). Returns ``directory``."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    tensors = peft_state_dict(model)
+    out = Path(directory)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        (out / CONFIG_FILE).write_text(json.dumps(adapter_config(settings, base_model), indent=2))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return out
+
+
+def read_peft_adapter(directory: str | Path) -> tuple[LoRASettings, dict[str, torch.Tensor]]:
+    """A PEFT LoRA directory as (settings, full tensors under global Megatron names); refuses what this trainer's
+    adapters cannot represent (bias, DoRA, per-module ranks, other modules)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(directory) / CONFIG_FILE).read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{directory}: peft_type {config.get('peft_type')!r} is not LORA")
+    for field, plain in (("bias", "none"), ("use_dora", False), ("fan_in_fan_out", False)):
+        if config.get(field) not in (None, plain):
+            raise ValueError(f"{directory}: {field}={config[field]!r} is not supported (only {plain!r})")
+    for field in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+        if config.get(field):
+            raise ValueError(f"{directory}: {field} is not supported")
+    targets = config["target_modules"]
+    settings = LoRASettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                            dropout=float(config.get("lora_dropout") or 0.0), use_rslora=bool(config.get("use_rslora")),
+                            target_modules="all-linear" if targets == "all-linear" else sorted(targets))
+    tensors = {megatron_name(k): v for k, v in load_file(str(Path(directory) / WEIGHTS_FILE)).items()}
+    return settings, tensors
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full adapter tensors (global Megatron names) into this rank's adapter shards; every adapter of the
+    model must be in ``state`` with its shape, or nothing is copied."""
+    shards = list(megatron_shards(unwrap(model), state, trainable_only=True))  # every shape checked before a copy
+    with torch.no_grad():
+        for param, shard in shards:
+            param.copy_(shard)
