@@ -146,6 +146,48 @@ def test_megatron_trains_on_cuda_as_on_cpu(trained: dict[str, Any]) -> None:
         assert diff.max() < 5e-4 and diff.mean() < 1e-6, (k, float(diff.max()), float(diff.mean()))
 
 
+@pytest.fixture(scope="module")
+def trained_lora(models: dict[str, Any]) -> dict[str, Any]:
+    """Issue 43: a LoRA job (every projection, a KL term to the base under the adapter) on CPU, on CUDA, and on
+    CUDA in bf16 (adapters with fp32 main copies in Megatron's optimizer)."""
+    from slime_server.trainer.settings import LoRASettings, LossConfig
+
+    samples = make_batch(vocab_size=101, n=6, seed=1)
+    tmp, settings = models["tmp"], models["settings"]
+    lora = settings.model_copy(update={"lora": LoRASettings(rank=4, alpha=8.0), "reference": True, "train": (
+        settings.train.model_copy(update={"loss": LossConfig(loss_type="grpo", kl_coef=0.5)}))})
+    return {"cpu": _worker(tmp / "lora-cpu", lora, samples, STEPS, env={"CUDA_VISIBLE_DEVICES": ""}),
+            "gpu": _worker(tmp / "lora-gpu", lora, samples, STEPS),
+            "bf16": _worker(tmp / "lora-bf16", lora.model_copy(update={"bf16": True}), samples, STEPS)}
+
+
+def test_lora_trains_on_cuda_as_on_cpu(trained_lora: dict[str, Any], models: dict[str, Any]) -> None:
+    from slime_server.trainer.convert import read_hf_state_dict
+
+    cpu, gpu, bf16 = trained_lora["cpu"], trained_lora["gpu"], trained_lora["bf16"]
+    assert (cpu["device"], gpu["device"], bf16["device"]) == ("cpu", "cuda", "cuda")
+    for key in ("loss", "grad_norm", "kl"):
+        assert _series(gpu, key) == pytest.approx(_series(cpu, key), abs=1e-5, rel=1e-5), key
+    assert _series(gpu, "kl")[0] == pytest.approx(0.0, abs=1e-9) and _series(gpu, "kl")[-1] > 0
+    assert _series(gpu, "masked_logprob_sum") == pytest.approx(_series(cpu, "masked_logprob_sum"), abs=1e-3, rel=1e-6)
+    original = read_hf_state_dict(models["small"])
+    for run in (cpu, gpu):
+        assert all(torch.equal(run["base"][k], original[k]) for k in original), "the base weights changed"
+    for part in ("adapter", "weights"):
+        assert cpu[part].keys() == gpu[part].keys()
+        for k, w in cpu[part].items():
+            diff = (gpu[part][k] - w).abs()
+            assert diff.max() < 5e-4 and diff.mean() < 1e-6, (part, k, float(diff.max()), float(diff.mean()))
+    # bf16: the frozen base stays the checkpoint's, cast once to the dtype it is held in (matrices bf16; the torch
+    # norms Megatron falls back to without Apex or TE may keep fp32), the adapter trains, the loss is finite
+    assert bf16["base"]["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    changed = {k: (str(bf16["base"][k].dtype), float((bf16["base"][k].float() - original[k].float()).abs().max()))
+               for k in original if not torch.equal(bf16["base"][k], original[k].to(bf16["base"][k].dtype))}
+    assert not changed, changed
+    assert all(float(t.abs().max()) > 0 for k, t in bf16["adapter"].items() if ".lora_B." in k)
+    assert all(torch.isfinite(torch.tensor(_series(bf16, "loss"))))
+
+
 def test_colocated_push_by_cuda_ipc_into_sglang_code(pushed: dict[str, Any]) -> None:
     run, name = pushed, pushed["name"]
     received, weights = run["received"], run["weights"]

@@ -1,7 +1,8 @@
 """LoRA in the Megatron trainer against Hugging Face PEFT: the same adapter gives the same loss, the same adapter
 gradients, the same merged weights; the export is a PEFT directory PEFT loads, and PEFT's own save loads back.
 
-Every model here has random weights and a random non-zero B (a fresh adapter's B is zero, which would hide a
+On a GPU machine the trainer's side runs on CUDA (PEFT stays on the CPU): the same assertions. Every model here
+has random weights and a random non-zero B (a fresh adapter's B is zero, which would hide a
 layout mistake), on two families: Llama with GQA and tied embeddings, Qwen2 with a qkv bias."""
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+def _on_device(model: torch.nn.Module) -> torch.nn.Module:
+    """As the trainer rank does: the whole model on the GPU where there is one."""
+    return model.cuda() if torch.cuda.is_available() else model
+
+
 def _randomise_b(model: torch.nn.Module, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -78,7 +84,7 @@ def test_adapter_equals_peft(models: dict[str, Path], tmp_path: Path, family: st
     lora = LoRASettings(rank=4, alpha=8.0, target_modules=targets)
     samples = make_batch(vocab_size=101, n=6, seed=2)
     with parallel_context(tp_size=1):
-        model = build_gpt_model(AutoConfig.from_pretrained(str(path)))
+        model = _on_device(build_gpt_model(AutoConfig.from_pretrained(str(path))))
         load_hf_checkpoint_into(model, path)
         base_lps = compute_logprobs(model, samples)
         base_weights = export_hf_state_dict(model)
@@ -89,8 +95,8 @@ def test_adapter_equals_peft(models: dict[str, Path], tmp_path: Path, family: st
         inner = unwrap(bundle.model)
         trainable = [n for n, p in inner.named_parameters() if p.requires_grad]
         metrics = forward_backward(bundle, samples, STEP)
-        grads = {n: p.main_grad.clone() for n, p in inner.named_parameters() if p.requires_grad}
-        ours_lps = compute_logprobs(bundle.model, samples)
+        grads = {n: p.main_grad.cpu() for n, p in inner.named_parameters() if p.requires_grad}
+        ours_lps = [lp.cpu() for lp in compute_logprobs(bundle.model, samples)]
         with adapters_disabled(bundle.model):
             off_lps = compute_logprobs(bundle.model, samples)
             off_weights = export_hf_state_dict(bundle.model)
@@ -150,11 +156,11 @@ def test_peft_saved_adapter_loads_into_the_trainer(models: dict[str, Path], tmp_
     assert (settings.rank, settings.alpha, settings.targets) == (3, 5.0, ("k_proj", "o_proj", "up_proj"))
     samples = make_batch(vocab_size=101, n=3, seed=4)
     with parallel_context(tp_size=1):
-        model = build_gpt_model(AutoConfig.from_pretrained(str(path)))
+        model = _on_device(build_gpt_model(AutoConfig.from_pretrained(str(path))))
         load_hf_checkpoint_into(model, path)
         attach_lora(model, settings)
         load_adapter_state(model, tensors)
-        ours = compute_logprobs(model, samples)
+        ours = [lp.cpu() for lp in compute_logprobs(model, samples)]
         exported = peft_state_dict(model)
     saved = {n.replace(".default", ""): p for n, p in peft.named_parameters() if "lora_" in n}
     assert exported.keys() == saved.keys()
@@ -185,7 +191,7 @@ def test_an_adapter_of_another_shape_is_refused(models: dict[str, Path], tmp_pat
                    ).save_pretrained(str(tmp_path / "peft"))
     settings, tensors = read_peft_adapter(tmp_path / "peft")
     with parallel_context(tp_size=1):
-        model = build_gpt_model(AutoConfig.from_pretrained(str(models["qwen2"])))
+        model = _on_device(build_gpt_model(AutoConfig.from_pretrained(str(models["qwen2"]))))
         attach_lora(model, settings)
         before = {n: p.clone() for n, p in model.named_parameters() if is_adapter_name(n)}
         with pytest.raises(ValueError, match="lora_A"):

@@ -241,11 +241,12 @@ def full_delta(branch: LoRABranch, pairs_full: dict[str, tuple[torch.Tensor, tor
                sizes: dict[str, tuple[int, int]], groups: int) -> torch.Tensor:
     """The full (unsharded) ``scaling * B A`` of a Megatron linear from its full A and B per projection,
     in the linear's weight layout (qkv interleaved by KV group, fc1 as [gate; up])."""
+    device = next(iter(pairs_full.values()))[0].device
     parts = []
     for part, (out, fan_in) in sizes.items():
         if part in pairs_full:
             a, b = pairs_full[part]
             parts.append((b.float() @ a.float()) * branch.scaling)
-        else:
-            parts.append(torch.zeros(out, fan_in))
+        else:  # a projection of the linear the adapter does not target
+            parts.append(torch.zeros(out, fan_in, device=device))
     return interleave_groups(parts, groups, 0) if groups else torch.cat(parts, dim=0)
