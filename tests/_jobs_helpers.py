@@ -105,10 +105,10 @@ def drive(server: Any, n: int, concurrency: int = 4) -> list[str]:
 
 
 def create_job(server: Any, pacing: dict[str, Any] | None = None, loss: dict[str, Any] | None = None,
-               algorithm: str = "reinforce_plus_plus", **loop: Any) -> dict[str, Any]:
+               algorithm: str = "reinforce_plus_plus", lora: dict[str, Any] | None = None, **loop: Any) -> dict[str, Any]:
     body = {"name": "test", "algorithm": algorithm, "optimizer": {"lr": 1e-3},
             "loop": {"batch_size": 4, "checkpoint_interval": 2, "poll_interval_s": 0.05, **loop},
-            "pacing": pacing or {}, "loss": loss or {}}
+            "pacing": pacing or {}, "loss": loss or {}, **({"lora": lora} if lora else {})}
     with admin(server) as c:
         r = c.post("/jobs", json=body)
         assert r.status_code == 200, r.text

@@ -93,6 +93,42 @@ def test_kl_job_keeps_a_reference_and_corrects_off_policy_by_default(server: Any
     cancel(server, j["id"])
 
 
+def test_lora_job_trains_an_adapter_and_serves_it_merged(server: Any) -> None:
+    """Issue 43: a job with ``lora`` trains an adapter over the frozen served model: KL to the base under the adapter
+    (0 at the first step, then > 0), every engine serves the newest version (the merged weights), and each
+    checkpoint holds only the adapter, also as a PEFT directory. A LoRA setting the trainer cannot honour is a 400
+    naming it, before anything starts."""
+    import torch
+
+    from slime_server.trainer.lora import is_adapter_name
+    from slime_server.trainer.peft_io import read_peft_adapter
+
+    drain_pool(server)
+    with admin(server) as c:
+        r = c.post("/jobs", json={"lora": {"rank": 4, "target_modules": ["q_proj", "qkv"]}})
+        assert r.status_code == 400 and "qkv" in r.json()["error"]["message"], r.text
+    j = create_job(server, max_staleness=None, checkpoint_interval=2, loss={"kl_coef": 0.01},
+                   lora={"rank": 8, "alpha": 16, "target_modules": "all-linear"})
+    wait_event(server, j["id"], "trainer_ready")
+    drive(server, 12)
+    j = wait_job(server, j["id"], lambda j: j["step"] >= 3 and j["checkpoints"])
+    with admin(server) as c:
+        steps = [m["metrics"] for m in c.get(f"/jobs/{j['id']}/metrics").raise_for_status().json()][:3]
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0, [m["kl"] for m in steps]
+    deadline = time.monotonic() + 30
+    while engine_versions(server) != [str(job(server, j["id"])["policy_version"])] * 2:
+        assert time.monotonic() < deadline, (engine_versions(server), job(server, j["id"]))
+        time.sleep(0.2)
+    ckpt = Path(j["checkpoints"][-1]["path"])
+    saved = torch.load(ckpt / "rank_00000.pt", weights_only=True)["model"]
+    tensors = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]
+    assert tensors and all(is_adapter_name(k) for k in tensors)
+    settings, adapter = read_peft_adapter(ckpt / "adapter")
+    assert (settings.rank, settings.alpha, len(settings.targets)) == (8, 16.0, 7)
+    assert any(float(t.abs().max()) > 0 for k, t in adapter.items() if k.endswith("lora_B"))
+    cancel(server, j["id"])
+
+
 def test_ppo_job_trains_a_critic_and_checkpoints_it(server: Any) -> None:
     """Issue 19: algorithm 'ppo' runs with a value model in the ranks: GAE advantages, a critic step per batch
     (value loss and explained variance reported), the critic checkpointed beside the policy."""

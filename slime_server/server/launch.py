@@ -312,7 +312,7 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
                         temperature: float = 1.0, max_tokens_per_micro_batch: int | None = None,
                         engine_api_key: str | None = None, reference: bool = False, critic: Any = None,
                         reference_path: str | None = None, cores: tuple[list[int] | None, int | None] = (None, None),
-                        on_shutdown: Callable[[], None] | None = None) -> Any:
+                        on_shutdown: Callable[[], None] | None = None, lora: Any = None) -> Any:
     """Megatron-core ranks for one job as Ray actors (TP x PP x DP over gloo on CPU, nccl on GPU), set up.
 
     Colocated ranks reserve no CPU of their own: they share the engines' share and the loop pauses
@@ -330,7 +330,7 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch
                                 or trainer.max_tokens_per_micro_batch, share_prefixes=trainer.share_prefixes),
         megatron_args=trainer.megatron_args, engine_api_key=engine_api_key, weight_sync=trainer.weight_sync,
-        reference=reference, reference_path=reference_path, critic=critic)
+        reference=reference, reference_path=reference_path, critic=critic, lora=lora)
     try:
         group = TrainerGroup(rank_settings, trainer.num_ranks,
                              num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,

@@ -79,7 +79,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
                                    max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
                                    engine_api_key=engine_api_key, reference=spec.needs_reference(),
                                    reference_path=spec.reference_model,
-                                   critic=spec.critic if spec.algorithm == "ppo" else None)
+                                   critic=spec.critic if spec.algorithm == "ppo" else None, lora=spec.lora)
 
     def configure_loop(loop: Any) -> None:
         if push_guard is not None:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from slime_server.trainer.convert import Staging
 
 log = logging.getLogger(__name__)
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's PEFT directory
 
 
 class RendezvousInfo(BaseModel):
@@ -223,11 +224,15 @@ class TrainerRank:
 
     def save_checkpoint(self, path: str) -> str:
         """The policy at ``path``; the critic (if any) beside it at ``path``-critic, written first so a
-        policy checkpoint that exists always has its critic."""
+        policy checkpoint that exists always has its critic; a LoRA policy's adapter also as PEFT loads it, at
+        ``path``/adapter."""
         if self.critic is not None:
             save_checkpoint(f"{path}-critic", self.critic, step=self.step, policy_version=self.policy_version)
-        return str(save_checkpoint(path, self._ready(), step=self.step, policy_version=self.policy_version,
-                                   portable=self.settings.portable_checkpoints))
+        saved = save_checkpoint(path, self._ready(), step=self.step, policy_version=self.policy_version,
+                                portable=self.settings.portable_checkpoints)
+        if self.settings.lora is not None:  # the adapter as PEFT loads it, beside what the trainer resumes from
+            self.save_adapter(str(saved / ADAPTER_DIR))
+        return str(saved)
 
     def load_checkpoint(self, path: str) -> dict[str, int]:
         if self.critic is not None:
