@@ -38,7 +38,7 @@ def test_match_is_the_longest_prefix_of_any_entry(ops: list[tuple[str, int]]) ->
             cache.put(ids, kv_of(ids))
             seen.append(ids)
         else:
-            live = [e.ids for e in cache._entries.values()]
+            live = [e.ids[1:] for e in cache._entries.values()]  # past the namespace
             want = min(max((common_prefix(e, ids) for e in live), default=0), len(ids) - 1)
             kv, got = cache.match(ids)
             if want < cache.min_match:
@@ -50,6 +50,20 @@ def test_match_is_the_longest_prefix_of_any_entry(ops: list[tuple[str, int]]) ->
         assert cache._sorted_ids == sorted(e.ids for e in cache._entries.values())
 
 
+def test_a_match_never_crosses_namespaces() -> None:
+    """K/V computed under one LoRA adapter load (its namespace) is never reused for another or for the base, even
+    for the same tokens; within a namespace the longest prefix wins as before."""
+    cache = PrefixCache(max_tokens=1000, min_match=4)
+    ids = list(range(40))
+    cache.put(ids, kv_of(ids), namespace=3)
+    assert cache.match(ids + [1]) == (None, 0)
+    assert cache.match(ids + [1], namespace=4) == (None, 0)
+    kv, got = cache.match(ids + [1], namespace=3)
+    assert got == 40 and kv[0][0][0, :40, 0].tolist() == ids
+    cache.put(ids[:30], kv_of(ids[:30]))  # the base's own entry: found for the base only
+    assert cache.match(ids + [1])[1] == 30 and cache.match(ids + [1], namespace=3)[1] == 40
+
+
 def test_a_sessions_next_turn_supersedes_its_last() -> None:
     cache = PrefixCache(max_tokens=10_000)
     turn1 = list(range(100, 140))
@@ -57,7 +71,7 @@ def test_a_sessions_next_turn_supersedes_its_last() -> None:
     cache.put(list(range(100, 120)) + [5] * 30, kv_of(list(range(100, 120)) + [5] * 30))  # another session's branch
     turn2 = turn1 + list(range(200, 230))
     cache.put(turn2, kv_of(turn2))
-    assert sorted(e.ids for e in cache._entries.values()) == sorted([turn2, list(range(100, 120)) + [5] * 30])
+    assert sorted(e.ids[1:] for e in cache._entries.values()) == sorted([turn2, list(range(100, 120)) + [5] * 30])
     kv, got = cache.match(turn2 + [1, 2, 3])
     assert got == len(turn2) and kv[0][0][0, :, 0].tolist() == turn2
     cache.clear()

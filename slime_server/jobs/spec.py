@@ -110,8 +110,8 @@ class JobSpec(_Strict):
     reference_model: str | None = Field(None, description="HF checkpoint directory of the KL reference (same "
                                         "architecture as the served model); default: the served base weights")
     lora: LoRASettings | None = Field(None, description="train a LoRA adapter over the frozen served model instead "
-                                      "of all its weights (rank, alpha, dropout, target_modules as PEFT names them, "
-                                      "use_rslora): only the adapter is in the optimizer and the checkpoints (each "
+                                      "of all its weights (rank, alpha, dropout, target_modules as PEFT names them): "
+                                      "only the adapter is in the optimizer and the checkpoints (each "
                                       "checkpoint also holds it as a PEFT directory, adapter/); the KL reference is "
                                       "the base under the adapter; engines are sent the merged weights")
     data: DataSpec = Field(default_factory=DataSpec)

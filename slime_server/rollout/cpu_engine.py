@@ -7,10 +7,9 @@ Design
 - Every iteration: apply a pending weight commit, admit waiting requests (prefill each alone, which
   samples its first token), then run ONE decode step for every running request together. Requests
   therefore join and leave the batch between decode steps.
-- KV cache: each request owns preallocated per-layer K/V buffers. A decode step assembles them
-  left-padded into one batch cache with an attention mask and explicit position ids, so each row sees
-  exactly its own history; a request gets the same tokens and log-probs as when run alone (up to
-  float rounding of the padded matmuls, ~1e-6).
+- KV cache: each request owns per-layer K/V buffers (lean_forward.py batches them for a decode step); a request
+  gets the same tokens and log-probs as when run alone, up to float rounding (~1e-6). LoRA adapters
+  (engine_adapters.py) mix in one batch, at most ``max_loras_per_batch`` kinds (the base counts as one).
 
 Log-prob rule and sampling: ``rollout/sampling.py`` (SGLang's default sampler).
 
@@ -38,14 +37,18 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from slime_server.rollout.core_follow import ThreadsFollowCores
+from slime_server.rollout.engine_adapters import EngineAdapters, dims_of
 from slime_server.rollout.engine_config import EngineConfig
 from slime_server.rollout.engine_model import load_engine_model
+from slime_server.rollout.engine_output import output_of
 from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM, Sequence
 from slime_server.rollout.grammar import EngineGrammars, GrammarError
 from slime_server.rollout.hf_forward import hf_decode, hf_prefill
@@ -55,14 +58,13 @@ from slime_server.rollout.protocol import (
     FinishReason,
     GenerateOutput,
     LogprobEntry,
-    MetaInfo,
     SamplingParams,
-    version_spans,
 )
 from slime_server.rollout.sampling import logprobs_of, sample_token, top_logprobs
 from slime_server.utils.procs import name_os_thread
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 SCHEDULER_OS_NAME = "slime-engine"  # the scheduler thread's OS name (top -H, /proc/<pid>/task/*/comm)
 
 
@@ -89,6 +91,8 @@ class CPUEngine:
         self._running: list[Sequence] = []
         self._paused = False
         self._commit: _Commit | None = None
+        self._tasks: deque[_Task] = deque()  # work handed to the scheduler thread (run_on_scheduler)
+        self.adapters: EngineAdapters | None = None  # LoRA adapters (--enable-lora)
         self._update_lock = threading.Lock()  # one weight update at a time, in arrival order
         self._pause_req: tuple[str, threading.Event] | None = None
         self.last_progress = 0.0  # monotonic time of the last prefill or decode step (health probes)
@@ -142,9 +146,36 @@ class CPUEngine:
         log.info("decode matmuls: %s", f"gemv.c built for {self.kernel_target}" if self.kernel_target else "torch")
         budget = int(config.prefix_cache_mb * 2**20 / self.lean.kv_bytes_per_token) if self.lean else 0
         self.prefix_cache = PrefixCache(budget) if budget > 0 else None
+        if config.enable_lora or config.lora_paths:
+            self._setup_lora()
         self.grammars = EngineGrammars(config.grammar_backend == "xgrammar", self.tokenizer, self.vocab_size,
                                        sorted(self.eos_ids), any_whitespace=not config.constrained_json_disable_any_whitespace,
                                        max_whitespace_cnt=config.constrained_json_max_whitespace_cnt)
+
+    def _setup_lora(self) -> None:
+        """The adapters (engine_adapters.py; on this thread, so the start's loads run inline)."""
+        if self.lean is None:
+            raise ValueError("LoRA serving needs the lean forward (--forward lean, a llama/mistral/qwen2/qwen3 model)")
+        self.adapters = EngineAdapters(self.config, dims_of(self.lean), self.lean.embed.dtype, self.run_on_scheduler,
+                                       self._requests_using)
+        self.lean.lora = self.adapters.bank
+
+    def run_on_scheduler(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the scheduler thread between two steps (it owns the model); its result or its error."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        task = _Task(fn)
+        with self._cv:
+            self._tasks.append(task)
+            self._cv.notify_all()
+        task.done.wait()
+        if task.error is not None:
+            raise task.error
+        return task.result
+
+    def _requests_using(self, adapter: object) -> int:
+        with self._cv:
+            return sum(1 for s in itertools.chain(self._waiting, self._running) if s.lora is adapter and s.finish is None)
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_ids: list[int], params: SamplingParams, top_logprobs_num: int = 0,
@@ -319,10 +350,6 @@ class CPUEngine:
             if not (t.dtype.is_floating_point and p.dtype.is_floating_point) and t.dtype != p.dtype:
                 raise BadRequest(f"{name}: dtype {t.dtype} cannot be loaded into {p.dtype}")
 
-    def param_spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
-        p = self._params.get(name)
-        return None if p is None else (p.dtype, tuple(p.shape))
-
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: str | int | None,
                      flush: bool = False, timeout: float = 600) -> int:
         """Copy ``named`` into the live parameters between two decode steps (all or nothing), then take
@@ -376,11 +403,13 @@ class CPUEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while (not self._stop and self._commit is None and self._pause_req is None
+                while (not self._stop and self._commit is None and self._pause_req is None and not self._tasks
                        and not self._has_work()):
                     self._cv.wait()
                 if self._stop:
                     break
+                while self._tasks:
+                    self._tasks.popleft().run()
                 if self._commit is not None:
                     self._apply_commit()
                     self._cv.notify_all()
@@ -421,11 +450,15 @@ class CPUEngine:
         if self._paused:
             return []
         used = sum(s.reserved_tokens for s in self._running)
+        kinds = {s.lora_slot for s in self._running}  # adapters in the batch, the base counting as one (SGLang's)
         admitted = []
         while self._waiting and len(self._running) < self.config.max_running_requests:
             s = self._waiting[0]
             if self._running and used + s.reserved_tokens > self.max_total_tokens:
                 break
+            if s.lora_slot not in kinds and len(kinds) >= self.config.max_loras_per_batch:
+                break
+            kinds.add(s.lora_slot)
             self._waiting.popleft()
             self._running.append(s)
             admitted.append(s)
@@ -440,11 +473,12 @@ class CPUEngine:
         cap = max(n_prompt, min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM))  # grows by doubling
         if self.lean is not None:
             seq.kv = self.lean.new_kv(cap)
-            reused, start = self.prefix_cache.match(ids) if self.prefix_cache and not want_input else (None, 0)
+            reused, start = (self.prefix_cache.match(ids, _namespace(seq)) if self.prefix_cache and not want_input
+                             else (None, 0))
             for (kb, vb), (ck, cv) in zip(seq.kv, reused or [], strict=False):
                 kb[:, :start], vb[:, :start] = ck[:, :start], cv[:, :start]
             seq.cached_tokens = start
-            logits = self.lean.prefill(ids, seq.kv, all_logits=want_input, start=start).float()
+            logits = self.lean.prefill(ids, seq.kv, all_logits=want_input, start=start, lora_slot=seq.lora_slot).float()
         else:
             seq.kv, logits = hf_prefill(self.model, ids, cap, want_input)
             logits = logits.float()
@@ -520,7 +554,7 @@ class CPUEngine:
         seq.finish = reason
         seq.finished_at = time.perf_counter()
         if self.prefix_cache is not None and reason.type != "abort" and seq.kv:  # scheduler thread only
-            self.prefix_cache.put((seq.prompt_ids + seq.output_ids)[:seq.kv_len], seq.kv)
+            self.prefix_cache.put((seq.prompt_ids + seq.output_ids)[:seq.kv_len], seq.kv, _namespace(seq))
         seq.kv = []
         self.stats["finished"] += 1
         if seq.on_update is not None:
@@ -529,47 +563,30 @@ class CPUEngine:
 
     # ------------------------------------------------------------------ results
     def result(self, seq: Sequence) -> GenerateOutput:
-        """SGLang-shaped output of ``seq`` so far (cumulative; final once ``seq.finish`` is set).
+        """SGLang-shaped output of ``seq`` so far (``engine_output.output_of``)."""
+        return output_of(seq, self.tokenizer, self.weight_version)
 
-        As SGLang's scheduler and tokenizer manager: ``weight_versions`` spans only on the final output (any
-        finish, aborts included; a request with no output token yet gets one empty span of the current
-        version), and then ``weight_version`` is the last span's; a stream chunk before the end carries the
-        engine's current ``weight_version`` and no spans."""
-        p, f = seq.params, seq.finish
-        ids = list(seq.output_ids)
-        spans = version_spans(seq.output_versions[:len(ids)], self.weight_version) if f is not None else None
-        text_ids = ids
-        if f is not None and f.type == "stop" and isinstance(f.matched, int) and not p.no_stop_trim:
-            text_ids = ids[:-1]
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
-        if f is not None and isinstance(f.matched, str) and not p.no_stop_trim:
-            cut = text.find(f.matched)
-            text = text[:cut] if cut >= 0 else text
-        if f is None:  # SGLang's detokenizer: a streamed text never ends in half a character (U+FFFD)
-            text = text.rstrip("\ufffd")
-        meta = MetaInfo(
-            id=seq.rid, finish_reason=f, prompt_tokens=len(seq.prompt_ids), completion_tokens=len(ids),
-            cached_tokens=seq.cached_tokens, weight_version=spans[-1].version if spans else self.weight_version,
-            weight_versions=spans,
-            e2e_latency=None if seq.finished_at is None else seq.finished_at - seq.created,  # final only
-        )
-        if seq.return_logprob:
-            named = self._with_text if seq.logprob_text else _same
-            meta.output_token_logprobs = named([(lp, t, None) for lp, t in zip(seq.output_logprobs, ids,
-                                                                                strict=False)])
-            if seq.top_logprobs_num:
-                meta.output_top_logprobs = [named(top) for top in seq.output_top]
-            if seq.logprob_start_len >= 0:
-                meta.input_token_logprobs = named(seq.input_logprobs or [])
-                meta.input_top_logprobs = (None if seq.input_top is None else
-                                           [None if t is None else named(t) for t in seq.input_top])
-        return GenerateOutput(text=text, output_ids=ids, meta_info=meta)
 
-    def _with_text(self, entries: list[LogprobEntry]) -> list[LogprobEntry]:
-        """SGLang's ``return_text_in_logprobs``: the third element is the token's text."""
-        texts = self.tokenizer.convert_ids_to_tokens([t for _, t, _ in entries])
-        return [(lp, t, self.tokenizer.convert_tokens_to_string([s])) for (lp, t, _), s in
-                zip(entries, texts, strict=True)]
+def _namespace(seq: Sequence) -> int:
+    """What a sequence's K/V depends on beside its tokens: its adapter's load (0: the base)."""
+    return seq.lora.uid if seq.lora is not None else 0
+
+
+@dataclass(eq=False)
+class _Task:
+    """A function handed to the scheduler thread (``run_on_scheduler``)."""
+
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # handed back to the caller
+            self.error = e
+        self.done.set()
 
 
 @dataclass(eq=False)
@@ -581,7 +598,3 @@ class _Commit:
     flush: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-
-
-def _same(entries: list[LogprobEntry]) -> list[LogprobEntry]:
-    return entries

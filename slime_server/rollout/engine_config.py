@@ -36,3 +36,13 @@ class EngineConfig(BaseModel):
                                                           "is compact (no free whitespace between tokens)")
     constrained_json_max_whitespace_cnt: int | None = Field(None, ge=0, description="SGLang's flag: at most this "
                                                             "many whitespace characters in a row (None: any)")
+    # LoRA serving (SGLang's flags and meanings; rollout/engine_lora.py)
+    enable_lora: bool = Field(False, description="serve LoRA adapters beside the base (lean forward only)")
+    max_lora_rank: int | None = Field(None, ge=1, description="the largest adapter rank served (default: the largest "
+                                      "of lora_paths, else 64)")
+    lora_target_modules: list[str] | None = Field(None, description="projections adapters may target (PEFT names or "
+                                                  "'all'); default: all of them")
+    lora_paths: list[str] = Field(default_factory=list, description="adapters loaded at start: name=path or path")
+    max_loras_per_batch: int = Field(8, ge=1, description="distinct adapters (the base counts as one) in one batch")
+    max_loaded_loras: int | None = Field(None, ge=1, description="adapters loaded at once (default: "
+                                         "max_loras_per_batch)")

@@ -48,6 +48,11 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (SGLang's cached_tokens)
     done: threading.Event = field(default_factory=threading.Event)
     grammar: Any = None  # an xgrammar GrammarMatcher when sampling_params names a grammar (rollout/grammar.py)
+    lora: Any = None  # the LoRA adapter it is served with (engine_lora.LoadedAdapter; None: the base)
+
+    @property
+    def lora_slot(self) -> int:
+        return self.lora.slot if self.lora is not None else 0
 
     @property
     def reserved_tokens(self) -> int:

@@ -27,8 +27,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from slime_server.config import parse_cpu_list
+from slime_server.lora_format import AdapterError
 from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig
 from slime_server.rollout.engine_auth import KEY_ENV, InsecureEngineError, add_api_keys, check_exposure
+from slime_server.rollout.engine_lora_routes import add_lora_routes
 from slime_server.rollout.engine_sequence import Sequence
 from slime_server.rollout.engine_weights import add_weight_routes
 from slime_server.rollout.grammar import grammar_key
@@ -113,6 +115,7 @@ class GenerateHandler:
         want_lp = _per_item(req.return_logprob, n, "return_logprob")
         tops = _per_item(req.top_logprobs_num, n, "top_logprobs_num")
         starts = _per_item(req.logprob_start_len, n, "logprob_start_len")
+        adapters = [self._adapter(name) for name in _per_item(req.lora_path, n, "lora_path")]
         if batch and req.rid is not None and not isinstance(req.rid, list):
             rids = [f"{req.rid}_{i}" for i in range(n)]  # SGLang's names for a batch under one rid
         named = [r for r in rids if r is not None]
@@ -128,8 +131,23 @@ class GenerateHandler:
             self.engine.validate(prompt, params[i], tops[i], starts[i])
             seqs += self.engine.new_sequences(prompt, params[i], rid=rids[i], return_logprob=bool(want_lp[i]),
                                               top_logprobs_num=int(tops[i]), logprob_start_len=int(starts[i]),
-                                              stream=req.stream, logprob_text=req.return_text_in_logprobs)
+                                              stream=req.stream, logprob_text=req.return_text_in_logprobs,
+                                              lora=adapters[i])
         return seqs
+
+    def _adapter(self, name: str | None) -> Any:
+        """The adapter a prompt's ``lora_path`` names (None: the base), as SGLang resolves and refuses it; one
+        unloaded or evicted earlier is loaded again first."""
+        if name is None:
+            return None
+        if self.engine.adapters is None:
+            raise BadRequest(f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server "
+                             "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter "
+                             "endpoint.")
+        try:
+            return self.engine.adapters.resolve(name)
+        except AdapterError as e:
+            raise BadRequest(str(e)) from None
 
     async def run(self, req: GenerateReqInput, request: Request) -> Response:
         seqs = self.build(req)
@@ -294,6 +312,7 @@ def create_app(engine: CPUEngine, served_model_name: str | None = None,
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     app.state.weight_updates = add_weight_routes(app, engine, parse_body)
+    add_lora_routes(app, engine, parse_body)
     return app
 
 
@@ -326,6 +345,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as SGLang's: JSON under a schema is compact")
     ap.add_argument("--constrained-json-max-whitespace-cnt", type=int, default=None,
                     help="as SGLang's: at most this many whitespace characters in a row in constrained JSON")
+    ap.add_argument("--enable-lora", action="store_true", help="as SGLang's: serve LoRA adapters (lean forward)")
+    ap.add_argument("--max-lora-rank", type=int, default=None, help="as SGLang's (default: the largest of "
+                    "--lora-paths, else 64)")
+    ap.add_argument("--lora-target-modules", nargs="*", default=None, help="as SGLang's: q_proj ... down_proj, "
+                    "qkv_proj, gate_up_proj, or all (default)")
+    ap.add_argument("--lora-paths", nargs="*", default=[], help="as SGLang's: PATH, NAME=PATH or "
+                    "'{\"lora_name\": ..., \"lora_path\": ..., \"pinned\": ...}', loaded at start")
+    ap.add_argument("--max-loras-per-batch", type=int, default=8, help="as SGLang's: adapters in one batch, "
+                    "the base counting as one")
+    ap.add_argument("--max-loaded-loras", type=int, default=None, help="as SGLang's: adapters loaded at once "
+                    "(the least recently used unpinned one is unloaded to make room)")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--health-check-timeout", type=float, default=HEALTH_GENERATE_TIMEOUT_S,
                     help="/health_generate waits this long for scheduler progress (SGLang: 20 s)")
@@ -363,7 +393,10 @@ def main(argv: list[str] | None = None) -> None:
                           forward=args.forward, prefix_cache_mb=args.prefix_cache_mb, dtype=args.dtype,
                           decode_kernel=args.decode_kernel, grammar_backend=args.grammar_backend,
                           constrained_json_disable_any_whitespace=args.constrained_json_disable_any_whitespace,
-                          constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt)
+                          constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt,
+                          enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
+                          lora_target_modules=args.lora_target_modules, lora_paths=args.lora_paths,
+                          max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras)
     engine = CPUEngine(config)
 
     @asynccontextmanager

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own convention
 
 from slime_server.rollout import gemv
+from slime_server.rollout.engine_lora import AdapterBank, RowSlots
 from slime_server.rollout.engine_model import Rope, lean_supported
 from slime_server.rollout.engine_sequence import Sequence
 
@@ -34,6 +35,7 @@ PREFILL_MASK_ELEMENTS = 16 * 2**20  # attention mask elements per chunk of a pre
 
 @dataclass
 class _Layer:
+    index: int
     qkv: torch.Tensor  # [(nh + 2 * nkv) * hd, H]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
@@ -81,7 +83,7 @@ class LeanForward:
             qkv = [f"{a}{x}_proj" for x in "qkv"]
             bias = _fuse(params, [f"{p}.bias" for p in qkv]) if f"{a}q_proj.bias" in params else None
             self.layers.append(_Layer(
-                qkv=_fuse(params, [f"{p}.weight" for p in qkv]), qkv_bias=bias, o=params[f"{a}o_proj.weight"],
+                index=i, qkv=_fuse(params, [f"{p}.weight" for p in qkv]), qkv_bias=bias, o=params[f"{a}o_proj.weight"],
                 o_bias=params.get(f"{a}o_proj.bias"),
                 gate_up=_fuse(params, [f"{m}gate_proj.weight", f"{m}up_proj.weight"]),
                 down=params[f"{m}down_proj.weight"],
@@ -94,6 +96,8 @@ class LeanForward:
         self.gemv_target = gemv.target() if self._gemv is not None else None  # what it was built for
         self._onednn = _use_onednn(self.embed.dtype)
         self._decoding = False  # set by decode(): its batch sizes are bounded, a prompt's lengths are not
+        self.lora: AdapterBank | None = None  # the engine's LoRA adapters (engine_lora.py), when it serves them
+        self._rows: RowSlots | None = None  # this call's rows with an adapter (None: the base alone, nothing extra)
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
         self.q_size = self.n_heads * self.head_dim
@@ -139,8 +143,10 @@ class LeanForward:
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The residual stream [N, H] -> q [N, nh, hd], k and v [N, nkv, hd], normed (qwen3) and rotated."""
         n = x.shape[0]
-        heads = self._norm_linear(x, layer.in_norm, layer.qkv, layer.qkv_bias).view(n, self.n_heads + 2 * self.n_kv,
-                                                                                    self.head_dim)
+        heads = self._norm_linear(x, layer.in_norm, layer.qkv, layer.qkv_bias)
+        if self._rows is not None:
+            heads = self.lora.add_delta(heads, layer.index, "qkv", self._norm(x, layer.in_norm), self._rows)
+        heads = heads.view(n, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk, v = heads[:, : self.n_heads + self.n_kv], heads[:, self.n_heads + self.n_kv:]
         if layer.q_norm is not None:
             qk = torch.cat((self._norm(qk[:, : self.n_heads], layer.q_norm),
@@ -148,8 +154,20 @@ class LeanForward:
         qk = self._rope(qk, cos[:, None, :], sin[:, None, :])  # q and k heads rotated in one go
         return qk[:, : self.n_heads], qk[:, self.n_heads:], v
 
+    def _attention_out(self, layer: _Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """x + o_proj(att), the adapters' o_proj deltas included."""
+        out = self._residual_linear(x, att, layer.o, layer.o_bias)
+        return out if self._rows is None else self.lora.add_delta(out, layer.index, "o", att, self._rows)
+
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._norm_linear(x, layer.post_norm, layer.gate_up, None)
+        if self._rows is not None:  # the adapters need down_proj's input itself: no silu folded into the matmul
+            gate_up = self.lora.add_delta(gate_up, layer.index, "gate_up", self._norm(x, layer.post_norm), self._rows)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            out = self._gemv(act, layer.down, resid=x) if self._fused(act) else x + self._torch_linear(act, layer.down,
+                                                                                                       None)
+            return self.lora.add_delta(out, layer.index, "down", act, self._rows)
         if self._fused(gate_up):
             return self._gemv(gate_up, layer.down, silu_mul=True, resid=x)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -163,10 +181,18 @@ class LeanForward:
 
     # ------------------------------------------------------------------ passes
     def prefill(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], all_logits: bool = False,
-                start: int = 0) -> torch.Tensor:
+                start: int = 0, lora_slot: int = 0) -> torch.Tensor:
         """Run one sequence's ``ids[start:]``, writing their K/V into ``kv`` (per layer [nkv, cap, hd], cap >=
         len(ids)), whose first ``start`` positions already hold ``ids[:start]``'s (a reused prefix); returns
-        the logits of every computed position, or of the last only."""
+        the logits of every computed position, or of the last only. ``lora_slot``: its adapter (0: the base)."""
+        self._rows = RowSlots.of([lora_slot]) if self.lora is not None else None
+        try:
+            return self._prefill(ids, kv, all_logits, start)
+        finally:
+            self._rows = None
+
+    def _prefill(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], all_logits: bool,
+                 start: int) -> torch.Tensor:
         n, new = len(ids), len(ids) - start
         x = F.embedding(torch.tensor(ids[start:]), self.embed)
         cos, sin = self._positions(torch.arange(start, n))
@@ -175,8 +201,7 @@ class LeanForward:
             kb[:, start:n] = k.transpose(0, 1)
             vb[:, start:n] = v.transpose(0, 1)
             att = self._prefill_attention(q.transpose(0, 1)[None], kb[None], vb[None], start, n)  # [1, nh, new, hd]
-            x = self._mlp(layer, self._residual_linear(x, att[0].transpose(0, 1).reshape(new, self.q_size), layer.o,
-                                                       layer.o_bias))
+            x = self._mlp(layer, self._attention_out(layer, x, att[0].transpose(0, 1).reshape(new, self.q_size)))
         return self._logits(x if all_logits else x[-1:])
 
     @staticmethod
@@ -206,10 +231,12 @@ class LeanForward:
         The buffer is rebuilt (each sequence's K/V copied in once) only when the batch's members change or a
         sequence outgrows ``cap`` (which doubles): amortised over the steps in between, not paid per step."""
         self._decoding = True
+        self._rows = RowSlots.of([s.lora_slot for s in batch]) if self.lora is not None else None
         try:
             return self._decode(batch)
         finally:
             self._decoding = False
+            self._rows = None
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
         n = len(batch)
@@ -236,7 +263,7 @@ class LeanForward:
                 vp[rows, :, pos] = v
             att = F.scaled_dot_product_attention(q[:, :, None], kp[:, :, :length], vp[:, :, :length], attn_mask=mask,
                                                  enable_gqa=True)  # [B, nh, 1, hd]
-            x = self._mlp(layer, self._residual_linear(x, att.reshape(n, self.q_size), layer.o, layer.o_bias))
+            x = self._mlp(layer, self._attention_out(layer, x, att.reshape(n, self.q_size)))
         for s in batch:
             s.kv_len += 1
         return self._logits(x)

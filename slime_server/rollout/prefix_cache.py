@@ -26,7 +26,7 @@ SUPERSEDE_SCAN = 8  # entries before a new one checked for being its prefix (the
 
 @dataclass
 class _Entry:
-    ids: list[int]  # the tokens whose K/V the buffers hold (positions 0 .. len(ids)-1)
+    ids: list[int]  # [namespace, *tokens]: the tokens whose K/V the buffers hold (positions 0 .. len - 2)
     kv: KV
 
     @property
@@ -54,14 +54,16 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, ids: list[int], kv: KV) -> None:
+    def put(self, ids: list[int], kv: KV, namespace: int = 0) -> None:
         """Keep a compact copy of ``kv``'s first ``len(ids)`` positions (per layer [heads, >= len, hd]); a copy,
         since ``kv`` may be a row of the engine's batch buffer. An entry with the same ids, and entries just
-        before it in order that are a prefix of it (the session's earlier turns), are superseded."""
+        before it in order that are a prefix of it (the session's earlier turns), are superseded.
+        ``namespace``: what else the K/V depends on (a LoRA adapter's load: 0 for the base); a match is only
+        ever within one namespace."""
         if len(ids) < self.min_match or not kv or kv[0][0].shape[1] < len(ids):
             return
         n = len(ids)
-        entry = _Entry(list(ids), [(k[:, :n].clone(), v[:, :n].clone()) for k, v in kv])
+        entry = _Entry([namespace, *ids], [(k[:, :n].clone(), v[:, :n].clone()) for k, v in kv])
         if entry.size > self.max_tokens:
             return
         i = bisect_left(self._sorted_ids, entry.ids)
@@ -80,10 +82,11 @@ class PrefixCache:
         self._sorted_ids.insert(i, entry.ids)
         self._sorted_keys.insert(i, key)
 
-    def match(self, ids: list[int]) -> tuple[KV | None, int]:
-        """The buffers of the entry sharing the longest prefix with ``ids`` and that length (at most
-        ``len(ids) - 1``: the last prompt token is always computed, its logits are needed)."""
-        ids = ids if isinstance(ids, list) else list(ids)  # ordered against lists
+    def match(self, ids: list[int], namespace: int = 0) -> tuple[KV | None, int]:
+        """The buffers of the entry (of ``namespace``) sharing the longest prefix with ``ids`` and that length (at
+        most ``len(ids) - 1``: the last prompt token is always computed, its logits are needed)."""
+        n = len(ids)
+        ids = [namespace, *ids]  # ordered against the entries' keys, namespace first
         i = bisect_left(self._sorted_ids, ids)
         best_key, best = None, 0
         for j in (i - 1, i):  # the longest common prefix is with a neighbour in lexicographic order
@@ -91,7 +94,7 @@ class PrefixCache:
                 m = common_prefix(self._sorted_ids[j], ids)
                 if m > best:
                     best_key, best = self._sorted_keys[j], m
-        best = min(best, len(ids) - 1)
+        best = min(best - 1, n - 1)  # tokens past the namespace; none when the namespace differs (best 0)
         if best_key is None or best < self.min_match:
             return None, 0
         self._entries.move_to_end(best_key)

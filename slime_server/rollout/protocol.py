@@ -128,6 +128,8 @@ class GenerateReqInput(_Lenient):
     top_logprobs_num: int | list[int] = Field(0)
     return_text_in_logprobs: bool = False
     stream: bool = False
+    lora_path: str | None | list[str | None] = Field(None, description="the LoRA adapter's NAME (SGLang's field "
+                                                     "name): one for every prompt, or one per prompt; None: the base")
 
     @field_validator("sampling_params", mode="before")
     @classmethod
@@ -316,6 +318,29 @@ class UpdateWeightsFromTensorReqInput(_WeightVersioned):
 
 # Every engine route our code calls: (HTTP method, path, request body model or None). The contract test
 # checks each against the pinned SGLang release's own source; a route or a field we invent fails it.
+class LoadLoRAAdapterReqInput(_Lenient):
+    """SGLang's ``/load_lora_adapter`` body: a PEFT directory loaded under a new name."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterReqInput(_Lenient):
+    lora_name: str
+
+
+class LoRAUpdateOutput(BaseModel):
+    """SGLang's answer to a LoRA load or unload (200 on success, 400 on failure): ``loaded_adapters`` maps every
+    loaded name to its path (None when the request failed before reaching the adapters)."""
+
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+    success: bool
+    error_message: str | None = ""
+    loaded_adapters: dict[str, str] | None = None
+
+
 SGLANG_ROUTES: list[tuple[str, str, type[BaseModel] | None]] = [
     ("POST", "/generate", GenerateReqInput),
     ("GET", "/health", None),
@@ -331,6 +356,8 @@ SGLANG_ROUTES: list[tuple[str, str, type[BaseModel] | None]] = [
     ("POST", "/update_weights_from_distributed", UpdateWeightsFromDistributedReqInput),
     ("POST", "/destroy_weights_update_group", DestroyWeightsUpdateGroupReqInput),
     ("POST", "/update_weights_from_tensor", UpdateWeightsFromTensorReqInput),
+    ("POST", "/load_lora_adapter", LoadLoRAAdapterReqInput),
+    ("POST", "/unload_lora_adapter", UnloadLoRAAdapterReqInput),
 ]
 
 

@@ -43,8 +43,6 @@ LINEARS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.linear_fc1": ("column", ("gate_proj", "up_proj")),
     "mlp.linear_fc2": ("row", ("down_proj",)),
 }
-HF_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ADAPTER_TAG = ".lora."
 
 

@@ -16,16 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from slime_server.lora_format import CONFIG_FILE, WEIGHTS_FILE, parse_tensor_name, read_config, tensor_name
 from slime_server.trainer.convert import gather_tp, layer_offset, megatron_shards, to_global
-from slime_server.trainer.lora import HF_MODULE, LINEARS, is_adapter_name
+from slime_server.trainer.lora import LINEARS, is_adapter_name
 from slime_server.trainer.model import unwrap
 from slime_server.trainer.pipeline import gather_stages
 from slime_server.trainer.settings import LoRASettings
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 _MEGATRON = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora\.(\w+)\.lora_([AB])$")
-_PEFT = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 def peft_name(megatron_name: str) -> str:
@@ -34,16 +32,12 @@ def peft_name(megatron_name: str) -> str:
     m = _MEGATRON.match(megatron_name)
     if m is None:
         raise KeyError(f"{megatron_name!r} is not a global adapter parameter name")
-    layer, _, part, matrix = m.groups()
-    return f"base_model.model.model.layers.{layer}.{HF_MODULE[part]}.{part}.lora_{matrix}.weight"
+    return tensor_name(int(m.group(1)), m.group(3), m.group(4))
 
 
 def megatron_name(peft: str) -> str:
     """Inverse of ``peft_name``."""
-    m = _PEFT.match(peft)
-    if m is None or m.group(3) not in HF_MODULE:
-        raise KeyError(f"{peft!r} is not a PEFT LoRA tensor of a Llama / Qwen projection")
-    layer, _, part, matrix = m.groups()
+    layer, part, matrix = parse_tensor_name(peft)
     linear = next(path for path, (_, parts) in LINEARS.items() if part in parts)
     return f"decoder.layers.{layer}.{linear}.lora.{part}.lora_{matrix}"
 
@@ -71,7 +65,7 @@ def adapter_config(settings: LoRASettings, base_model: str) -> dict[str, Any]:
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
-        "target_modules": list(settings.targets), "use_rslora": settings.use_rslora, "bias": "none",
+        "target_modules": list(settings.targets), "use_rslora": False, "bias": "none",
         "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {}, "revision": None,
@@ -96,22 +90,12 @@ def save_peft_adapter(directory: str | Path, model: nn.Module, settings: LoRASet
 
 def read_peft_adapter(directory: str | Path) -> tuple[LoRASettings, dict[str, torch.Tensor]]:
     """A PEFT LoRA directory as (settings, full tensors under global Megatron names); refuses what this trainer's
-    adapters cannot represent (bias, DoRA, per-module ranks, other modules)."""
+    adapters cannot represent (``lora_format.parse_config``: AdapterError)."""
     from safetensors.torch import load_file
 
-    config = json.loads((Path(directory) / CONFIG_FILE).read_text())
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{directory}: peft_type {config.get('peft_type')!r} is not LORA")
-    for field, plain in (("bias", "none"), ("use_dora", False), ("fan_in_fan_out", False)):
-        if config.get(field) not in (None, plain):
-            raise ValueError(f"{directory}: {field}={config[field]!r} is not supported (only {plain!r})")
-    for field in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
-        if config.get(field):
-            raise ValueError(f"{directory}: {field} is not supported")
-    targets = config["target_modules"]
-    settings = LoRASettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                            dropout=float(config.get("lora_dropout") or 0.0), use_rslora=bool(config.get("use_rslora")),
-                            target_modules="all-linear" if targets == "all-linear" else sorted(targets))
+    config = read_config(directory)
+    settings = LoRASettings(rank=config.rank, alpha=config.alpha, dropout=config.dropout,
+                            target_modules=list(config.targets))
     tensors = {megatron_name(k): v for k, v in load_file(str(Path(directory) / WEIGHTS_FILE)).items()}
     return settings, tensors
 

@@ -86,7 +86,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 class LoRASettings(BaseModel):
     """A low-rank adapter beside the frozen base (PEFT's ``LoraConfig`` fields, PEFT's defaults): the policy is
-    ``W x + scaling * B A dropout(x)``, scaling = alpha / rank (alpha / sqrt(rank) with ``use_rslora``)."""
+    ``W x + (alpha / rank) * B A dropout(x)``. No rank-stabilised scaling: SGLang 0.5.23 serves every adapter with
+    alpha / rank whatever its ``use_rslora`` says, so an rsLoRA adapter would be served other than it trained."""
 
     model_config = {"extra": "forbid"}
 
@@ -95,7 +96,6 @@ class LoRASettings(BaseModel):
     dropout: float = Field(0.0, ge=0, lt=1, description="lora_dropout: on the adapter's input, training only")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description=f"PEFT module names out of {', '.join(LORA_TARGETS)}, or 'all-linear'")
-    use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(rank)")
 
     @model_validator(mode="after")
     def _check(self) -> LoRASettings:
@@ -114,7 +114,7 @@ class LoRASettings(BaseModel):
 
     @property
     def scaling(self) -> float:
-        return self.alpha / (self.rank ** 0.5 if self.use_rslora else self.rank)
+        return self.alpha / self.rank
 
 
 class CriticSettings(BaseModel):
