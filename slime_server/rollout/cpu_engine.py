@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import torch
 
 from slime_server.rollout.core_follow import ThreadsFollowCores
-from slime_server.rollout.engine_adapters import EngineAdapters, dims_of
+from slime_server.rollout.engine_adapters import EngineAdapters
 from slime_server.rollout.engine_config import EngineConfig
 from slime_server.rollout.engine_model import load_engine_model
 from slime_server.rollout.engine_output import output_of
@@ -156,9 +156,7 @@ class CPUEngine:
         """The adapters (engine_adapters.py; on this thread, so the start's loads run inline)."""
         if self.lean is None:
             raise ValueError("LoRA serving needs the lean forward (--forward lean, a llama/mistral/qwen2/qwen3 model)")
-        self.adapters = EngineAdapters(self.config, dims_of(self.lean), self.lean.embed.dtype, self.run_on_scheduler,
-                                       self._requests_using)
-        self.lean.lora = self.adapters.bank
+        self.adapters = EngineAdapters(self.config, self.lean, self.run_on_scheduler, self._requests_using)
 
     def run_on_scheduler(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler thread between two steps (it owns the model); its result or its error."""

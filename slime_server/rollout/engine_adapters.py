@@ -63,10 +63,11 @@ def parse_lora_path(item: str) -> tuple[str, str, bool]:
 class EngineAdapters:
     """The engine's adapters: the bank (engine_lora.py) plus SGLang's registry rules."""
 
-    def __init__(self, config: EngineConfig, dims: ModelDims, dtype: Any,
-                 on_scheduler: Callable[[Callable[[], Any]], Any], in_flight: Callable[[LoadedAdapter], int]) -> None:
-        """``on_scheduler(fn)`` runs ``fn`` on the scheduler thread between steps and returns its result;
-        ``in_flight(adapter)`` counts the queued and running requests that use ``adapter``."""
+    def __init__(self, config: EngineConfig, lean: Any, on_scheduler: Callable[[Callable[[], Any]], Any],
+                 in_flight: Callable[[LoadedAdapter], int]) -> None:
+        """Adapters over ``lean`` (the engine's ``LeanForward``, which then computes with them); ``on_scheduler(fn)``
+        runs ``fn`` on the scheduler thread between steps and returns its result; ``in_flight(adapter)`` counts the
+        queued and running requests that use ``adapter``."""
         starting = [parse_lora_path(p) for p in config.lora_paths]
         self.max_loaded = config.max_loaded_loras or max(config.max_loras_per_batch, len(starting))
         if self.max_loaded < len(starting):
@@ -74,7 +75,11 @@ class EngineAdapters:
         max_rank = config.max_lora_rank
         if max_rank is None:
             max_rank = max((read_config(path).rank for _, path, _ in starting), default=DEFAULT_MAX_RANK)
-        self.bank = AdapterBank(dims, dtype, max_rank, self.max_loaded, target_modules(config.lora_target_modules))
+        self.bank = AdapterBank(dims_of(lean), lean.embed.dtype, max_rank, self.max_loaded,
+                                target_modules(config.lora_target_modules))
+        if lean.gemv_target is None:  # --decode-kernel torch (or no compiler): torch's ops throughout
+            self.bank.kernel = None
+        lean.lora = self.bank
         self._on_scheduler, self._in_flight = on_scheduler, in_flight
         self._lock = threading.RLock()  # one load / unload at a time
         self.known: dict[str, tuple[str, bool]] = {}  # name -> (path, pinned) of every adapter loaded from a path

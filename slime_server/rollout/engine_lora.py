@@ -15,7 +15,7 @@ batched matmul (Punica's BGMV) would copy them per row: on a CPU that costs more
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from slime_server.lora_format import (
     parse_tensor_name,
     read_config,
 )
+from slime_server.rollout import gemv
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
@@ -77,7 +78,8 @@ class AdapterBank:
         self._slots = 1  # slot 0: the base (zeros)
         self._slot_groups: dict[int, set[str]] = {}  # slot -> the projection groups its adapter targets
         self.a: list[dict[str, torch.Tensor]] = []  # per layer, per group: [slots, parts * R, in]
-        self.b: list[dict[str, list[torch.Tensor]]] = []  # per layer, per group, per projection: [slots, out, R]
+        self.b: list[dict[str, list[torch.Tensor]]] = []  # per layer, per group, per projection: Bᵀ [slots, R, out]
+        self.kernel = gemv.lora_kernel() if dtype == torch.float32 else None  # a decode batch's deltas in C
         self._alloc(1)
 
     # ------------------------------------------------------------------ storage
@@ -89,7 +91,7 @@ class AdapterBank:
             la, lb = {}, {}
             for group, parts in GROUPS.items():
                 la[group] = torch.zeros(slots, len(parts) * r, d.shape(parts[0])[1], dtype=self.dtype)
-                lb[group] = [torch.zeros(slots, d.shape(p)[0], r, dtype=self.dtype) for p in parts]
+                lb[group] = [torch.zeros(slots, r, d.shape(p)[0], dtype=self.dtype) for p in parts]
                 if self.a:
                     la[group][: self._slots] = self.a[layer][group]
                     for new, old in zip(lb[group], self.b[layer][group], strict=True):
@@ -164,7 +166,7 @@ class AdapterBank:
                     b.zero_()
                     if p in config.targets:
                         a[i * r: i * r + config.rank] = tensors[(layer, p, "A")].to(self.dtype)
-                        b[:, : config.rank] = (tensors[(layer, p, "B")].float() * config.scaling).to(self.dtype)
+                        b[: config.rank] = (tensors[(layer, p, "B")].float() * config.scaling).t().to(self.dtype)
         self._slot_groups[slot] = {g for g, parts in GROUPS.items() if set(parts) & set(config.targets)}
         self._uid += 1
         with self._lock:
@@ -196,12 +198,19 @@ class AdapterBank:
         h = x @ self.a[layer][group][slot].t()
         bs = self.b[layer][group]
         if len(bs) == 1:
-            return h @ bs[0][slot].t()
+            return h @ bs[0][slot]
         r = self.max_rank
-        return torch.cat([h[:, i * r:(i + 1) * r] @ b[slot].t() for i, b in enumerate(bs)], dim=-1)
+        return torch.cat([h[:, i * r:(i + 1) * r] @ b[slot] for i, b in enumerate(bs)], dim=-1)
 
     def add_delta(self, out: torch.Tensor, layer: int, group: str, x: torch.Tensor, rows: RowSlots) -> torch.Tensor:
-        """``out`` [N, out] plus every adapter's delta on its rows of ``x`` [N, in]."""
+        """``out`` [N, out] plus every adapter's delta on its rows of ``x`` [N, in]: a decode batch's few rows (one
+        slot per row) in place through gemv.c (each row reads its adapter once, any mix of adapters in one call),
+        a prompt's (one slot for all its rows) with torch's matmuls."""
+        if self.kernel is not None and len(rows.slots) == x.shape[0] <= gemv.MAX_ROWS and out.is_contiguous():
+            slots = rows.for_group(group, self._slot_groups)
+            if slots is not None:
+                self.kernel(out, x, slots, self.a[layer][group], self.b[layer][group])
+            return out
         for slot, idx in rows.groups:
             if group not in self._slot_groups.get(slot, ()):
                 continue  # this adapter leaves the group's projections alone
@@ -218,6 +227,8 @@ class RowSlots:
     left out."""
 
     groups: tuple[tuple[int, torch.Tensor | None], ...]
+    slots: tuple[int, ...]  # every row's slot
+    _by_group: dict[str, torch.Tensor | None] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def of(slots: list[int]) -> RowSlots | None:
@@ -226,5 +237,14 @@ class RowSlots:
         if not used:
             return None
         if len(used) == 1 and all(s == used[0] for s in slots):
-            return RowSlots(((used[0], None),))
-        return RowSlots(tuple((s, torch.tensor([i for i, x in enumerate(slots) if x == s])) for s in used))
+            return RowSlots(((used[0], None),), tuple(slots))
+        return RowSlots(tuple((s, torch.tensor([i for i, x in enumerate(slots) if x == s])) for s in used),
+                        tuple(slots))
+
+    def for_group(self, group: str, slot_groups: dict[int, set[str]]) -> torch.Tensor | None:
+        """Each row's slot for one projection group (0 where its adapter leaves the group alone), None when no
+        row's adapter touches it; computed once per forward call."""
+        if group not in self._by_group:
+            mine = [s if group in slot_groups.get(s, ()) else 0 for s in self.slots]
+            self._by_group[group] = torch.tensor(mine, dtype=torch.int64) if any(mine) else None
+        return self._by_group[group]

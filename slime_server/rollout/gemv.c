@@ -385,3 +385,40 @@ int slime_gemv_bf16(const uint16_t* W, const uint16_t* x, uint16_t* y, int64_t m
   free(xp);
   return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------- LoRA */
+/* A decode batch's LoRA deltas, every row through its own adapter: y[i] += Bt[s_i]ᵀ (A[s_i] x[i]) for each row i
+   whose slot s_i > 0 (0: the base, left alone). A is [slots, rp, k] (rp = nparts * r rank rows: q's, k's, v's for
+   a fused qkv); Bt[p] is part p's [slots, r, outs[p]] (B transposed, scaling folded in), its outputs laid one after
+   another in y's row (stride ldy). Rows run in parallel; each reads its adapter's A and B once, B as r axpys. */
+int slime_lora_f32(const float* x, int64_t m, int64_t k, const int64_t* slots, const float* A, int64_t rp,
+                   int64_t nparts, const int64_t* bt, const int64_t* outs, int64_t r, float* y, int64_t ldy,
+                   int nthreads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+  for (int64_t i = 0; i < m; i++) {
+    const int64_t s = slots[i];
+    if (s <= 0) continue;
+    const float* a = A + s * rp * k;
+    const float* xi = x + i * k;
+    float h[rp];
+    for (int64_t j = 0; j < rp; j++) {
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t t = 0; t < k; t++) acc += a[j * k + t] * xi[t];
+      h[j] = acc;
+    }
+    float* yi = y + i * ldy;
+    for (int64_t p = 0; p < nparts; p++) {
+      const int64_t n = outs[p];
+      const float* b = (const float*)(intptr_t)bt[p] + s * r * n;
+      for (int64_t j = 0; j < r; j++) {
+        const float hj = h[p * r + j];
+        const float* bj = b + j * n;
+#pragma omp simd
+        for (int64_t o = 0; o < n; o++) yi[o] += hj * bj[o];
+      }
+      yi += n;
+    }
+  }
+  return 0;
+}

@@ -42,6 +42,8 @@ PRE_NONE, PRE_RMSNORM, PRE_SILU_MUL = 0, 1, 2  # gemv.c's pre-ops
 _ARGS = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
          + [ctypes.c_void_p] * 2 + [ctypes.c_int])
 _SYMBOLS = {torch.float32: "slime_gemv_f32", torch.bfloat16: "slime_gemv_bf16"}
+_LORA_ARGS = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+              + [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
 Isa = Literal["native", "avx512", "avx2", "generic"]
 ISA_ENV = "SLIME_CPU_ISA"
 # what each cap needs from an x86 CPU (a build for more than the CPU has would die on its first instruction)
@@ -155,6 +157,7 @@ def load(isa: Isa | None = None) -> ctypes.CDLL | None:
     for name in _SYMBOLS.values():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+    lib.slime_lora_f32.argtypes, lib.slime_lora_f32.restype = _LORA_ARGS, ctypes.c_int
     return lib
 
 
@@ -202,6 +205,34 @@ def kernel(dtype: torch.dtype, isa: Isa | None = None) -> Gemv | None:
     name = _SYMBOLS.get(dtype)
     fn = getattr(lib, name, None) if lib is not None and name else None
     return None if fn is None else Gemv(fn, dtype)
+
+
+class LoraDeltas:
+    """A decode batch's LoRA deltas in place, each row through its own adapter slot (gemv.c's ``slime_lora_f32``):
+    ``y[i] += Bt[s]ᵀ-parts (A[s] x[i])`` for rows whose ``slots[i]`` > 0, fp32. ``a`` [slots, rp, k]; ``bts`` one
+    [slots, r, out_p] per part, their outputs side by side in ``y`` [m, Σ out_p] (contiguous rows)."""
+
+    def __init__(self, fn: ctypes._CFuncPtr) -> None:
+        self._fn = fn
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor,
+                 bts: list[torch.Tensor]) -> None:
+        x = x.contiguous()
+        m, k = x.shape
+        outs = [b.shape[2] for b in bts]
+        if (a.shape[2] != k or y.shape != (m, sum(outs)) or y.stride(1) != 1 or slots.dtype != torch.int64
+                or any(t.dtype != torch.float32 or not t.is_contiguous() for t in (x, a, *bts))):
+            raise ValueError(f"lora: x {tuple(x.shape)}, a {tuple(a.shape)}, y {tuple(y.shape)} do not fit")
+        parts = len(bts)
+        self._fn(x.data_ptr(), m, k, slots.data_ptr(), a.data_ptr(), a.shape[1], parts,
+                 (ctypes.c_int64 * parts)(*[b.data_ptr() for b in bts]), (ctypes.c_int64 * parts)(*outs),
+                 bts[0].shape[1], y.data_ptr(), y.stride(0), torch.get_num_threads())
+
+
+def lora_kernel(isa: Isa | None = None) -> LoraDeltas | None:
+    """The LoRA delta kernel built for ``isa``, or None (no compiler)."""
+    lib = load(isa)
+    return None if lib is None else LoraDeltas(lib.slime_lora_f32)
 
 
 def main(argv: list[str] | None = None) -> int:
