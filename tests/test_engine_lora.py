@@ -163,3 +163,26 @@ def test_the_engines_lora_flags_are_sglangs() -> None:
               and n.target.id in ours}
     assert theirs["max_loras_per_batch"] == ours["max_loras_per_batch"] == 8
     assert all(theirs[k] is None and ours[k] is None for k in ("max_lora_rank", "lora_target_modules", "max_loaded_loras"))
+
+
+def test_the_real_router_forwards_the_adapter(engine: str, tmp_path: Path) -> None:
+    """sgl-router 0.3.2 passes ``lora_path`` through to the engine (the gateway's path to an adapter), and the
+    engine's refusal of an unknown adapter back."""
+    import time
+
+    from slime_server.config import RouterSettings
+    from slime_server.rollout.router import RouterProcess
+
+    with RouterProcess(RouterSettings(), log_path=tmp_path / "router.log") as router:
+        router.start(worker_urls=[engine])
+        deadline = time.monotonic() + 60
+        while not router.worker_urls(healthy_only=True):
+            assert time.monotonic() < deadline, "the router never saw the engine healthy"
+            time.sleep(0.2)
+        via = _generate(router.url, PROMPTS[0], "pinned-few")
+        assert via["output_ids"] == _generate(engine, PROMPTS[0], "pinned-few")["output_ids"]
+        base = _generate(engine, PROMPTS[0], None)["meta_info"]["output_token_logprobs"]
+        assert via["meta_info"]["output_token_logprobs"] != base
+        r = httpx.post(f"{router.url}/generate", json={"input_ids": PROMPTS[0], "lora_path": "nope",
+                                                       "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 400 and "never been loaded: nope" in r.json()["error"]["message"]
