@@ -186,3 +186,29 @@ def test_the_real_router_forwards_the_adapter(engine: str, tmp_path: Path) -> No
         r = httpx.post(f"{router.url}/generate", json={"input_ids": PROMPTS[0], "lora_path": "nope",
                                                        "sampling_params": {"max_new_tokens": 2}}, timeout=60)
         assert r.status_code == 400 and "never been loaded: nope" in r.json()["error"]["message"]
+
+
+def test_a_request_never_runs_on_an_unloaded_adapters_slot(tiny_model_path: Path, adapters: dict[str, Path]) -> None:
+    """A request that resolved an adapter which is unloaded before it is queued is refused (its slot may hold
+    another adapter by then), and naming the adapter again loads it anew (a new load: new slot contents, new
+    prefix-cache namespace)."""
+    from slime_server.rollout.cpu_engine import BadRequest, CPUEngine
+    from slime_server.rollout.engine_config import EngineConfig
+    from slime_server.rollout.protocol import SamplingParams
+
+    engine = CPUEngine(EngineConfig(model_path=str(tiny_model_path), num_threads=1, enable_lora=True,
+                                    max_lora_rank=8, lora_paths=[f"few={adapters['few']}"]))
+    try:
+        params = SamplingParams(max_new_tokens=3, temperature=0.0)
+        stale = engine.adapters.resolve("few")
+        seq = engine.new_sequences(PROMPTS[0], params, lora=stale)[0]
+        engine.adapters.unload("few")
+        with pytest.raises(BadRequest, match="unloaded"):
+            engine.submit(seq)
+        fresh = engine.adapters.resolve("few")
+        assert fresh is not stale and fresh.uid != stale.uid
+        again = engine.new_sequences(PROMPTS[0], params, lora=fresh)[0]
+        engine.submit(again)
+        assert again.done.wait(60) and len(again.output_ids) == 3
+    finally:
+        engine.shutdown()

@@ -223,7 +223,9 @@ class CPUEngine:
         if seq.generator is None:
             seed = seq.params.sampling_seed if seq.params.sampling_seed is not None else self._rng.getrandbits(63)
             seq.generator = torch.Generator().manual_seed(seed)
-        with self._cv:
+        with self._cv:  # an adapter unloaded since the request resolved it: its slot may be another's by now
+            if seq.lora is not None and (self.adapters is None or self.adapters.bank.get(seq.lora.name) is not seq.lora):
+                raise BadRequest(f"LoRA adapter {seq.lora.name} was unloaded before the request started")
             self._waiting.append(seq)
             self._cv.notify_all()
         return seq

@@ -85,6 +85,7 @@ class EngineAdapters:
         self.known: dict[str, tuple[str, bool]] = {}  # name -> (path, pinned) of every adapter loaded from a path
         self._draining: set[str] = set()
         self._used: OrderedDict[str, None] = OrderedDict()  # least recently requested first
+        self._lru_lock = threading.Lock()  # _used alone: a request's lookup never waits for a load or a drain
         for name, path, pinned in starting:
             self.load(name, path, pinned)
 
@@ -105,7 +106,8 @@ class EngineAdapters:
                 self._evict()
             self._on_scheduler(lambda: self.bank.load(name, path, config, tensors, pinned))
             self.known[name] = (path, pinned)
-            self._used[name] = None
+            with self._lru_lock:
+                self._used[name] = None
             return self.loaded()
 
     def unload(self, name: str) -> dict[str, str]:
@@ -113,15 +115,23 @@ class EngineAdapters:
             adapter = self.bank.get(name)
             if adapter is None:
                 raise AdapterError(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.loaded())}")
-            self._draining.add(name)
+            self._draining.add(name)  # new requests for it are refused from now on
             try:
-                while self._in_flight(adapter):  # SGLang waits for the requests using it
+                # SGLang waits for the requests using it; the last check and the unload are one scheduler task,
+                # under the lock submit() queues with, so no request slips in between
+                while not self._on_scheduler(lambda: self._unload_if_idle(adapter)):
                     time.sleep(0.01)
-                self._on_scheduler(lambda: self.bank.unload(name))
             finally:
                 self._draining.discard(name)
-            self._used.pop(name, None)
+            with self._lru_lock:
+                self._used.pop(name, None)
             return self.loaded()
+
+    def _unload_if_idle(self, adapter: LoadedAdapter) -> bool:
+        if self._in_flight(adapter):
+            return False
+        self.bank.unload(adapter.name)
+        return True
 
     def forget(self, name: str) -> None:
         """Not reloaded on demand any more (a caller deleting the adapter for good)."""
@@ -129,7 +139,9 @@ class EngineAdapters:
 
     def _evict(self) -> None:
         """Unload the least recently requested unpinned adapter (SGLang's LRU eviction)."""
-        for name in list(self._used):
+        with self._lru_lock:
+            order = list(self._used)
+        for name in order:
             adapter = self.bank.get(name)
             if adapter is not None and not adapter.pinned:
                 self.unload(name)
@@ -137,8 +149,8 @@ class EngineAdapters:
         raise AdapterError(f"every one of the {self.max_loaded} loaded adapters is pinned: nothing to evict")
 
     def resolve(self, name: str | None) -> LoadedAdapter | None:
-        """The adapter a request names (None: the base), loaded again first if it was unloaded or evicted; a
-        name never loaded is SGLang's error."""
+        """The adapter a request names (None: the base), loaded again first if it was unloaded or evicted (that
+        waits for the load: call it off the event loop then); a name never loaded is SGLang's error."""
         if name is None:
             return None
         adapter = self.bank.get(name)
@@ -154,7 +166,7 @@ class EngineAdapters:
                     path, pinned = self.known[name]
                     self.load(name, path, pinned)
                     adapter = self.bank.get(name)
-        with self._lock:
+        with self._lru_lock:
             self._used[name] = None
             self._used.move_to_end(name)
         return adapter

@@ -150,7 +150,8 @@ class GenerateHandler:
             raise BadRequest(str(e)) from None
 
     async def run(self, req: GenerateReqInput, request: Request) -> Response:
-        seqs = self.build(req)
+        # naming an adapter may load it (one unloaded or evicted): off the event loop then
+        seqs = await asyncio.to_thread(self.build, req) if req.lora_path is not None else self.build(req)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, GenerateOutput | None]] = asyncio.Queue()
         many = req.is_batch or len(seqs) > 1
