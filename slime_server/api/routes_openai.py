@@ -71,7 +71,7 @@ async def chat_completions(req: ChatCompletionRequest, gw: GW, principal: Caller
 async def completions(req: CompletionRequest, gw: GW, principal: Caller,
                       x_session_id: SessionHeader = None) -> CompletionResponse:
     """Raw completion; recorded as a one-turn trajectory (the prompt is context, the output generated)."""
-    core.check_model(gw, req.model)
+    adapter = core.check_model(gw, req.model)
     if req.stream:
         raise bad_request("stream is not supported on /v1/completions; use /v1/chat/completions", param="stream")
     if req.n > gw.settings.max_n:
@@ -95,12 +95,12 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
     prepared = await recording.prepare_raw(gw.store, session_id, prompt_ids, req.n, owner=principal.session_owner)
     response_id = new_id("cmpl")
     outs = await gw.generate(prepared.session_id, response_id, prompt_ids, params, return_logprob=True,
-                             top_logprobs_num=req.logprobs or 0)
+                             top_logprobs_num=req.logprobs or 0, lora_path=adapter)
     completion = sum(len(o.output_ids) for o in outs)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
                   total_tokens=len(prompt_ids) + completion)
     texts = [core.answer_text(gw, o) for o in outs]
-    outcomes = [core.outcome(o, i, ResponseMessage(content=t)) for i, (o, t) in enumerate(zip(outs, texts,
+    outcomes = [core.outcome(o, i, ResponseMessage(content=t), lora_adapter=adapter) for i, (o, t) in enumerate(zip(outs, texts,
                                                                                                     strict=True))]
     await recording.commit_turn(gw.sessions, prepared, outcomes, response_id, usage)
     choices = []

@@ -17,6 +17,7 @@ class TurnView(BaseModel):
     output_start: int
     output_end: int
     finish_reason: str | None = None
+    lora_adapter: str | None = None  # the LoRA adapter that generated it (None: the base)
 
 
 class TrajectoryView(BaseModel):

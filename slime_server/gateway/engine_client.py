@@ -68,9 +68,12 @@ class EngineClient:
 
     @staticmethod
     def build_request(input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
-                      top_logprobs_num: int = 0, rid: str | None = None, stream: bool = False) -> dict[str, Any]:
+                      top_logprobs_num: int = 0, rid: str | None = None, stream: bool = False,
+                      lora_path: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
                                 "return_logprob": return_logprob, "stream": stream}
+        if lora_path is not None:  # SGLang's field: the adapter's name (sgl-router passes it through)
+            body["lora_path"] = lora_path
         if top_logprobs_num:
             body["top_logprobs_num"] = top_logprobs_num
         if rid is not None:
@@ -132,6 +135,9 @@ def _json_bytes(body: dict[str, Any]) -> bytes:
     return pydantic_core.to_json(body)
 
 
+_NO_ADAPTER = ("Got LoRA adapter that has never been loaded", "but LoRA is not enabled")
+
+
 def _raise_for_status(status_code: int, body: bytes) -> None:
     if status_code < 400:
         return
@@ -140,6 +146,9 @@ def _raise_for_status(status_code: int, body: bytes) -> None:
         msg = json.loads(body).get("error", {}).get("message") or text
     except (ValueError, AttributeError):
         msg = text
+    if status_code == 400 and any(m in msg for m in _NO_ADAPTER):  # SGLang's words for an adapter it lacks
+        raise EngineError(404, f"the model's LoRA adapter is not loaded: {msg}", code="model_not_found",
+                          param="model")
     if status_code == 400:  # the engine refused the request itself (e.g. too long): the client's fault
         raise EngineError(400, f"engine rejected the request: {msg}", code="engine_rejected")
     status = 503 if status_code in (429, 503) else 502

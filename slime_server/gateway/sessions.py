@@ -88,6 +88,7 @@ class ChoiceResult(BaseModel):
     response_id: str
     usage: dict[str, Any] = Field(default_factory=dict)
     grammar: dict[str, str] | None = None
+    lora_adapter: str | None = None
 
     @field_validator("message", mode="before")
     @classmethod
@@ -337,7 +338,7 @@ class SessionManager:
         versions = traj.weight_versions + [NOT_GENERATED] * len(context) + choice.versions()
         turn = Turn(response_id=choice.response_id, choice=index, prompt_start=prompt_start, output_start=output_start,
                     output_end=len(tokens), finish_reason=choice.finish_reason, tool_calls=assistant.tool_calls,
-                    grammar=choice.grammar)
+                    grammar=choice.grammar, lora_adapter=choice.lora_adapter)
         traj.tokens, traj.loss_mask, traj.rollout_logprobs, traj.weight_versions = tokens, mask, logprobs, versions
         traj.turns = [*traj.turns, turn]
         traj.turn_rewards = [*traj.turn_rewards, None]

@@ -57,10 +57,17 @@ def canonical_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise bad_request(f"{where}: {first.get('msg')}", param=where or None) from None
 
 
-def check_model(gw: Gateway, model: str) -> None:
-    if model != gw.model_name:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{gw.model_name}'",
-                       code="model_not_found", param="model")
+def check_model(gw: Gateway, model: str) -> str | None:
+    """The LoRA adapter ``model`` names (None: the served model itself). SGLang's convention: ``<served>:<adapter>``
+    picks an adapter the engines have loaded (an unknown one is the engines' refusal, a 404 here too); any other
+    name is a 404."""
+    if model == gw.model_name:
+        return None
+    base, colon, adapter = model.partition(":")
+    if colon and base.strip() == gw.model_name and adapter.strip():
+        return adapter.strip()
+    raise APIError(404, f"the model '{model}' does not exist; this server serves '{gw.model_name}' (and its LoRA "
+                   f"adapters as '{gw.model_name}:<adapter>')", code="model_not_found", param="model")
 
 
 def validate_chat(gw: Gateway, req: ChatCompletionRequest) -> None:
@@ -191,14 +198,14 @@ def answer_text(gw: Gateway, out: GenerateOutput) -> str:
 
 
 def outcome(out: GenerateOutput, index: int, message: ResponseMessage,
-            grammar: dict[str, str] | None = None) -> recording.ChoiceOutcome:
+            grammar: dict[str, str] | None = None, lora_adapter: str | None = None) -> recording.ChoiceOutcome:
     mi = out.meta_info
     logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in (mi.output_token_logprobs or [])]
     versions = mi.token_versions(len(out.output_ids))
     return recording.ChoiceOutcome(index=index, output_ids=list(out.output_ids), output_logprobs=logprobs,
                                    weight_version=versions,
                                    finish_reason=mi.finish_reason.type if mi.finish_reason else "abort",
-                                   message=message, grammar=grammar)
+                                   message=message, grammar=grammar, lora_adapter=lora_adapter)
 
 
 # ----------------------------------------------------------------------------- request flow
@@ -232,6 +239,7 @@ class ChatTurn:
         self.prefill = self.constraint.prefill
         self.parse_tools = bool(req.tools) and choice != "none"
         self.prepared: Any = None
+        self.adapter = check_model(gw, req.model)  # the LoRA adapter that answers (None: the base)
 
     async def prepare(self, principal: Principal, header_session_id: str | None) -> dict[str, Any]:
         """Resolve the session, get prompt ids, build the engine request."""
@@ -255,7 +263,7 @@ class ChatTurn:
             presence_penalty=req.presence_penalty, ignore_eos=req.ignore_eos)
         params.update(self.constraint.grammar or {})
         return {"input_ids": prompt_ids, "sampling_params": params,
-                "top_logprobs_num": (req.top_logprobs or 0) if req.logprobs else 0}
+                "top_logprobs_num": (req.top_logprobs or 0) if req.logprobs else 0, "lora_path": self.adapter}
 
     def usage(self, outs: list[GenerateOutput]) -> Usage:
         prompt = len(self.prepared.prompt_ids)
@@ -264,7 +272,7 @@ class ChatTurn:
 
     async def record(self, outs: list[GenerateOutput], messages: list[ResponseMessage]) -> Usage:
         usage = self.usage(outs)
-        outcomes = [outcome(o, i, m, self.constraint.grammar) for i, (o, m) in enumerate(zip(outs, messages,
+        outcomes = [outcome(o, i, m, self.constraint.grammar, self.adapter) for i, (o, m) in enumerate(zip(outs, messages,
                                                                                              strict=True))]
         await recording.commit_turn(self.gw.sessions, self.prepared, outcomes, self.response_id, usage)
         return usage
@@ -274,7 +282,7 @@ class ChatTurn:
         gw = self.gw
         outs = await gw.generate(self.prepared.session_id, self.response_id, call["input_ids"],
                                  call["sampling_params"], return_logprob=True,
-                                 top_logprobs_num=call["top_logprobs_num"])
+                                 top_logprobs_num=call["top_logprobs_num"], lora_path=call["lora_path"])
         messages = [build_message(gw, self.prefill + answer_text(gw, o), self.parse_tools) for o in outs]
         usage = await self.record(outs, messages)
         return TurnResult(outs=outs, messages=messages, usage=usage)
