@@ -58,6 +58,14 @@ def parse_cpu_list(value: Any) -> list[int] | None:
 CpuList = Annotated[list[int] | None, BeforeValidator(parse_cpu_list)]
 
 
+def _comma_list(value: Any) -> Any:
+    """A list setting given as one string (a flag, an env var): its comma-separated items."""
+    return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+
+CommaList = Annotated[list[str], BeforeValidator(_comma_list)]
+
+
 class _Section(BaseModel):
     """Sections reject unknown keys so a typo in YAML/env fails loudly instead of being ignored."""
 
@@ -94,6 +102,18 @@ class EngineSettings(_Section):
                                                "parameters (llama/mistral/qwen2/qwen3), or HF's model() (reference)")
     prefix_cache_mb: float = Field(512.0, ge=0, description="CPU engine: MiB of finished generations' K/V kept for "
                                    "prompts that extend them (a session's next turn); 0 turns it off")
+    # LoRA serving: SGLang's ServerArgs names, passed to both engine kinds as they are (rollout/actors.lora_args)
+    enable_lora: bool = Field(False, description="engines serve LoRA adapters (SGLang's --enable-lora); clients "
+                              "pick one with model '<served>:<adapter>'")
+    lora_paths: CommaList = Field(default_factory=list, description="adapters every engine loads at start: NAME=PATH "
+                                  "or PATH (comma-separated on the command line); any turns enable_lora on")
+    max_lora_rank: int | None = Field(None, ge=1, description="the largest adapter rank the engines serve (default: "
+                                      "the largest of lora_paths, else 64 on the CPU engine)")
+    lora_target_modules: Annotated[list[str] | None, BeforeValidator(_comma_list)] = Field(
+        None, description="projections adapters may target (default: all)")
+    max_loras_per_batch: int = Field(8, ge=1, description="distinct adapters in one batch, the base counting as one")
+    max_loaded_loras: int | None = Field(None, ge=1, description="adapters loaded at once per engine (the least "
+                                         "recently used unpinned one is unloaded to make room)")
     startup_timeout_s: float = Field(300.0, gt=0)
     health_interval_s: float = Field(5.0, gt=0, description="how often an actor probes its engine")
     sglang_args: dict[str, Any] = Field(

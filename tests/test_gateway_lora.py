@@ -6,6 +6,7 @@ stream that has begun, its error event)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests._engine_helpers import engine_process
-from tests._gateway_helpers import MODEL, start_gateway
+from tests._jobs_helpers import running_stack
 from tests.test_engine_lora import _save_adapter
 
 ASK = [{"role": "user", "content": "Name three colours."}]
@@ -24,26 +24,20 @@ GREEDY = {"max_tokens": 12, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def gateway(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    import time
-
-    from slime_server.config import RouterSettings
-    from slime_server.rollout.router import RouterProcess
-    from slime_server.utils.procs import kill_group
-
+    """``serve``'s stack (engines as Ray actors, sgl-router, gateway) with ``engine.lora_paths`` set, as
+    ``serve --lora-paths full=DIR`` sets it."""
     tmp = tmp_path_factory.mktemp("gateway-lora")
     adapter = _save_adapter(tiny_model_path, tmp / "full", 1, r=8, lora_alpha=16, target_modules="all-linear")
-    with engine_process(tiny_model_path, tmp, "--enable-lora", "--lora-paths", f"full={adapter}") as engine, \
-            RouterProcess(RouterSettings(), log_path=tmp / "router.log") as router:
-        router.start(worker_urls=[engine])
-        deadline = time.monotonic() + 60
-        while not router.worker_urls(healthy_only=True):
-            assert time.monotonic() < deadline, "the router never saw the engine healthy"
-            time.sleep(0.2)
-        gw = start_gateway(router.url, tiny_model_path, tmp / "traj.db", tmp / "gateway.log")
-        try:
-            yield gw
-        finally:
-            kill_group(gw.proc)
+    with running_stack(tiny_model_path, tmp, keys=False, engine={"lora_paths": f"full={adapter}"}) as server:
+        yield Stack(base_url=server.base_url, url=server.base_url.removesuffix("/v1"),
+                    model=Path(server.deployment.model_path).name)
+
+
+@dataclass
+class Stack:
+    base_url: str
+    url: str
+    model: str
 
 
 def _turns(gw: Any, session: str) -> list[dict[str, Any]]:
@@ -54,13 +48,13 @@ def _turns(gw: Any, session: str) -> list[dict[str, Any]]:
 
 def test_chat_completions_answer_with_the_named_adapter(gateway: Any) -> None:
     oa = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
-    base = oa.chat.completions.create(model=MODEL, messages=ASK, **GREEDY, logprobs=True,
+    base = oa.chat.completions.create(model=gateway.model, messages=ASK, **GREEDY, logprobs=True,
                                       extra_headers={"X-Session-Id": "lora-base"})
-    tuned = oa.chat.completions.create(model=f"{MODEL}:full", messages=ASK, **GREEDY, logprobs=True,
+    tuned = oa.chat.completions.create(model=f"{gateway.model}:full", messages=ASK, **GREEDY, logprobs=True,
                                        extra_headers={"X-Session-Id": "lora-full"})
     lp = [[t.logprob for t in r.choices[0].logprobs.content] for r in (base, tuned)]
     assert lp[0] != lp[1], "the adapter must change what is generated"
-    streamed = oa.chat.completions.create(model=f"{MODEL}:full", messages=ASK, **GREEDY, stream=True,
+    streamed = oa.chat.completions.create(model=f"{gateway.model}:full", messages=ASK, **GREEDY, stream=True,
                                           extra_headers={"X-Session-Id": "lora-stream"})
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == tuned.choices[0].message.content
@@ -71,25 +65,25 @@ def test_chat_completions_answer_with_the_named_adapter(gateway: Any) -> None:
 
 def test_responses_messages_and_completions_take_the_adapter_too(gateway: Any) -> None:
     oa = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
-    chat = oa.chat.completions.create(model=f"{MODEL}:full", messages=ASK, **GREEDY).choices[0].message.content
-    resp = oa.responses.create(model=f"{MODEL}:full", input="Name three colours.", max_output_tokens=12,
+    chat = oa.chat.completions.create(model=f"{gateway.model}:full", messages=ASK, **GREEDY).choices[0].message.content
+    resp = oa.responses.create(model=f"{gateway.model}:full", input="Name three colours.", max_output_tokens=12,
                                temperature=0, extra_headers={"X-Session-Id": "lora-responses"})
     assert resp.output_text == chat
     an = anthropic.Anthropic(base_url=gateway.url, api_key="none", max_retries=0)
-    msg = an.messages.create(model=f"{MODEL}:full", max_tokens=12, messages=ASK, extra_body={"temperature": 0},
+    msg = an.messages.create(model=f"{gateway.model}:full", max_tokens=12, messages=ASK, extra_body={"temperature": 0},
                              extra_headers={"X-Session-Id": "lora-messages"})
     assert msg.content[0].text == chat
     assert [t["lora_adapter"] for t in _turns(gateway, "lora-responses")] == ["full"]
     assert [t["lora_adapter"] for t in _turns(gateway, "lora-messages")] == ["full"]
-    base = oa.completions.create(model=MODEL, prompt=[11, 12, 13, 14], max_tokens=6, temperature=0, logprobs=0)
-    tuned = oa.completions.create(model=f"{MODEL}:full", prompt=[11, 12, 13, 14], max_tokens=6, temperature=0,
+    base = oa.completions.create(model=gateway.model, prompt=[11, 12, 13, 14], max_tokens=6, temperature=0, logprobs=0)
+    tuned = oa.completions.create(model=f"{gateway.model}:full", prompt=[11, 12, 13, 14], max_tokens=6, temperature=0,
                                   logprobs=0)
     assert base.choices[0].logprobs.token_logprobs != tuned.choices[0].logprobs.token_logprobs
 
 
 def test_an_adapter_the_engines_lack_is_a_404_in_each_api(gateway: Any) -> None:
     oa = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
-    for model in (f"{MODEL}:nope", "other-model:full"):
+    for model in (f"{gateway.model}:nope", "other-model:full"):
         with pytest.raises(openai.NotFoundError) as e:
             oa.chat.completions.create(model=model, messages=ASK, max_tokens=4)
         assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
@@ -102,4 +96,4 @@ def test_an_adapter_the_engines_lack_is_a_404_in_each_api(gateway: Any) -> None:
     # a stream has started (200) before the engines refuse: the refusal is the stream's error event, as every
     # engine refusal is (the gateway does not know the engines' adapters before it asks them)
     with pytest.raises(openai.APIError, match="never been loaded: nope"):
-        list(oa.chat.completions.create(model=f"{MODEL}:nope", messages=ASK, max_tokens=4, stream=True))
+        list(oa.chat.completions.create(model=f"{gateway.model}:nope", messages=ASK, max_tokens=4, stream=True))

@@ -219,3 +219,25 @@ def test_no_optional_flag_means_no_sglang_import(monkeypatch: pytest.MonkeyPatch
     # with one and no SGLang here, it is passed unchecked (the engine's node has SGLang; the launch checks)
     cmd = build_sglang_command(EngineSettings(kind="sglang"), "/m", port=1, python="py", api_key="k")
     assert cmd[-2:] == ["--api-key", "k"]
+
+
+def test_lora_settings_reach_both_engine_kinds_as_sglang_flags() -> None:
+    """Issue 43: ``engine.lora_paths`` / ``max_lora_rank`` / ... become the same flags for SGLang (every one a field of
+    0.5.23's ServerArgs) and for the CPU engine (whose parser reads them back to the same values); none without
+    LoRA."""
+    from slime_server.rollout.actors import lora_args
+    from slime_server.rollout.engine_server import build_parser as engine_parser
+
+    engine = EngineSettings(kind="sglang", lora_paths="a=/adapters/a,b=/adapters/b", max_lora_rank=32,
+                            max_loaded_loras=16)
+    args = lora_args(engine)
+    cmd = build_sglang_command(engine, "m", 1, optional_args=args, known_args=sglang_0_5_23_server_arg_names())
+    flags = cmd[cmd.index("--max-running-requests") + 2:]
+    assert flags == ["--enable-lora", "--lora-paths", "a=/adapters/a", "b=/adapters/b", "--max-lora-rank", "32",
+                     "--max-loras-per-batch", "8", "--max-loaded-loras", "16"]
+    cpu = engine_command(EngineSpec(model_path="m", lora=args), 1)
+    parsed = engine_parser().parse_args(cpu[cpu.index("--model-path"):])
+    assert (parsed.enable_lora, parsed.lora_paths, parsed.max_lora_rank, parsed.max_loaded_loras) == (
+        True, ["a=/adapters/a", "b=/adapters/b"], 32, 16)
+    assert lora_args(EngineSettings()) == {}
+    assert "--enable-lora" not in engine_command(EngineSpec(model_path="m"), 1)

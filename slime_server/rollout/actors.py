@@ -24,7 +24,7 @@ from slime_server.rollout.owned import spawn_owned, start_retrying
 from slime_server.rollout.sglang_launcher import build_sglang_command
 from slime_server.utils.affinity import format_cpu_list, pin_pid
 from slime_server.utils.net import find_free_port, wait_http_ok
-from slime_server.utils.procs import kill_group
+from slime_server.utils.procs import cli_flags, kill_group
 
 
 class EngineSpec(BaseModel):
@@ -41,6 +41,8 @@ class EngineSpec(BaseModel):
     cpus: list[int] | None = Field(None, description="cores the engine process runs on (None: any)")
     cpu_forward: Literal["lean", "hf"] = "lean"
     prefix_cache_mb: float = 512.0
+    lora: dict[str, Any] = Field(default_factory=dict, description="LoRA serving flags by SGLang's ServerArgs names "
+                                 "(lora_args), for either kind")
     sglang_args: dict[str, Any] = Field(default_factory=dict)
     startup_timeout_s: float = 300.0
     health_interval_s: float = 5.0
@@ -62,13 +64,26 @@ class EngineStatus(BaseModel):
     log_path: str | None = None
 
 
+LORA_FIELDS = ("enable_lora", "lora_paths", "max_lora_rank", "lora_target_modules", "max_loras_per_batch",
+               "max_loaded_loras")
+
+
+def lora_args(engine: EngineSettings) -> dict[str, Any]:
+    """The engine settings' LoRA flags, named as SGLang's ServerArgs (and the CPU engine's flags) name them; none
+    unless LoRA is on (``enable_lora`` or adapters to load)."""
+    if not (engine.enable_lora or engine.lora_paths):
+        return {}
+    args = {name: getattr(engine, name) for name in LORA_FIELDS}
+    return {**args, "enable_lora": True, "lora_paths": args["lora_paths"] or None}
+
+
 def engine_command(spec: EngineSpec, port: int) -> list[str]:
     """The server command line for ``spec`` on ``port``. SGLang takes its key only as ``--api-key``; the CPU
     engine gets it in its environment (``engine_env``), out of ``ps``'s sight."""
     if spec.kind == "sglang":
         engine = EngineSettings(kind="sglang", host=spec.host, max_running_requests=spec.max_running_requests,
                                 sglang_args=spec.sglang_args)
-        cmd = build_sglang_command(engine, spec.model_path, port, api_key=spec.api_key)
+        cmd = build_sglang_command(engine, spec.model_path, port, api_key=spec.api_key, optional_args=spec.lora)
         # SGLang has no core option: taskset pins it before it starts a thread (the CPU engine pins itself)
         return ["taskset", "-c", format_cpu_list(spec.cpus), *cmd] if spec.cpus else cmd
     return [
@@ -78,6 +93,7 @@ def engine_command(spec: EngineSpec, port: int) -> list[str]:
         "--forward", spec.cpu_forward, "--prefix-cache-mb", str(spec.prefix_cache_mb),
         *(["--insecure-engines"] if spec.insecure else []),
         *(["--cpus", format_cpu_list(spec.cpus)] if spec.cpus else []),
+        *cli_flags(spec.lora),
     ]
 
 

@@ -21,7 +21,7 @@ from slime_server.config import EngineSettings, ServerSettings, SetupError, Trai
 from slime_server.demo_learning import WARM_START_MODEL, calculator_warm_start
 from slime_server.models.registry import MODELS, fetch_model
 from slime_server.models.tiny import ensure_tiny_model
-from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, log_path_for
+from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, log_path_for, lora_args
 from slime_server.rollout.engine_auth import engine_key
 from slime_server.rollout.router import RouterProcess
 from slime_server.server.core_share import CoreShare
@@ -185,7 +185,8 @@ class Deployment:
             kind=engine.kind, model_path=self.model_path, host=engine.host, api_key=self.engine_api_key,
             insecure=engine.insecure, max_running_requests=engine.max_running_requests,
             torch_threads=engine.torch_threads or 0, cpus=cpus if cpus is not None else engine.cpus,
-            cpu_forward=engine.cpu_forward, prefix_cache_mb=engine.prefix_cache_mb, sglang_args=engine.sglang_args, startup_timeout_s=engine.startup_timeout_s,
+            cpu_forward=engine.cpu_forward, prefix_cache_mb=engine.prefix_cache_mb, lora=lora_args(engine),
+            sglang_args=engine.sglang_args, startup_timeout_s=engine.startup_timeout_s,
             health_interval_s=engine.health_interval_s, log_path=log_path_for(self.log_dir, name),
         )
 
