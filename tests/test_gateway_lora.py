@@ -1,7 +1,7 @@
 """LoRA adapters through /v1 (issue 43): ``model: "<served>:<adapter>"`` (SGLang's convention) in the three APIs
 reaches the engines as ``lora_path`` through the real sgl-router, the answer is the adapter's, each recorded turn
-names the adapter that generated it, and an adapter the engines lack is a 404 in each API's own error shape (in a
-stream that has begun, its error event)."""
+names the adapter that generated it, ``/v1/models`` lists the adapters (asked of an engine behind the router), and
+an adapter the engines lack is a 404 in each API's own error shape, a stream's included."""
 
 from __future__ import annotations
 
@@ -93,7 +93,16 @@ def test_an_adapter_the_engines_lack_is_a_404_in_each_api(gateway: Any) -> None:
             anthropic.Anthropic(base_url=gateway.url, api_key="none", max_retries=0).messages.create(
                 model=model, max_tokens=4, messages=ASK)
         assert a.value.body["type"] == "error" and a.value.body["error"]["type"] == "not_found_error"
-    # a stream has started (200) before the engines refuse: the refusal is the stream's error event, as every
-    # engine refusal is (the gateway does not know the engines' adapters before it asks them)
-    with pytest.raises(openai.APIError, match="never been loaded: nope"):
+    with pytest.raises(openai.NotFoundError):  # before the stream starts: the gateway asked the engines
         list(oa.chat.completions.create(model=f"{gateway.model}:nope", messages=ASK, max_tokens=4, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve(f"{gateway.model}:nope")
+
+
+def test_models_lists_the_adapters_with_their_parent(gateway: Any) -> None:
+    oa = openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
+    cards = {m.id: m for m in oa.models.list().data}
+    assert set(cards) == {gateway.model, f"{gateway.model}:full"}
+    assert cards[f"{gateway.model}:full"].model_extra["parent"] == gateway.model
+    assert "parent" not in cards[gateway.model].model_extra
+    assert oa.models.retrieve(f"{gateway.model}:full").id == f"{gateway.model}:full"

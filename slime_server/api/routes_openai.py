@@ -43,15 +43,21 @@ TurnTypeHeader = Annotated[Literal["main", "side"] | None, Header(
     alias="X-Turn-Type", description="main (default) | side: served, recorded, never trained")]
 
 
-@router.get("/models", response_model=ModelList)
+@router.get("/models", response_model=ModelList, response_model_exclude_none=True)
 async def list_models(gw: GW, _: Caller) -> ModelList:
-    return ModelList(data=[ModelCard(id=gw.model_name)])
+    """The served model, then each LoRA adapter the engines serve as ``<served>:<adapter>`` (its ``parent``)."""
+    adapters = sorted(await gw.adapters.names() or ())
+    return ModelList(data=[ModelCard(id=gw.model_name),
+                           *(ModelCard(id=f"{gw.model_name}:{a}", parent=gw.model_name) for a in adapters)])
 
 
-@router.get("/models/{model_id}", response_model=ModelCard)
+@router.get("/models/{model_id}", response_model=ModelCard, response_model_exclude_none=True)
 async def get_model(model_id: str, gw: GW, _: Caller) -> ModelCard:
-    core.check_model(gw, model_id)
-    return ModelCard(id=gw.model_name)
+    adapter = core.check_model(gw, model_id)
+    if adapter is None:
+        return ModelCard(id=gw.model_name)
+    await gw.adapters.check(adapter)
+    return ModelCard(id=model_id, parent=gw.model_name)
 
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse,
@@ -72,6 +78,8 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
                       x_session_id: SessionHeader = None) -> CompletionResponse:
     """Raw completion; recorded as a one-turn trajectory (the prompt is context, the output generated)."""
     adapter = core.check_model(gw, req.model)
+    if adapter is not None:
+        await gw.adapters.check(adapter)
     if req.stream:
         raise bad_request("stream is not supported on /v1/completions; use /v1/chat/completions", param="stream")
     if req.n > gw.settings.max_n:

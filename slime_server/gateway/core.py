@@ -15,6 +15,7 @@ from prometheus_client import Counter
 from slime_server.buffer.key_store import KeyStore
 from slime_server.buffer.store import TrajectoryStore
 from slime_server.config import GatewaySettings
+from slime_server.gateway.adapters import AdapterDirectory
 from slime_server.gateway.engine_client import EngineClient
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.pacing import Pacer
@@ -53,9 +54,11 @@ class Gateway:
     tool_parser: ToolCallParser = field(init=False)
     reasoning: ReasoningParser | None = field(init=False)
     pacer: Pacer = field(init=False)
+    adapters: AdapterDirectory = field(init=False)
 
     def __post_init__(self) -> None:
         self.pacer = Pacer(self.store, lambda: self.jobs)
+        self.adapters = AdapterDirectory(self.engine, self.model_name)
         template = getattr(getattr(self.renderer, "tokenizer", None), "chat_template", None)
         self.tool_parser = get_tool_parser(self.settings.tool_parser, template if isinstance(template, str) else None)
         name = self.settings.reasoning_parser

@@ -300,6 +300,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "slime-server"
+    parent: str | None = Field(None, description="a LoRA adapter's base model (SGLang's field); absent for the base")
 
 
 class ModelList(BaseModel):

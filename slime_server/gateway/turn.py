@@ -247,6 +247,8 @@ class ChatTurn:
         session_id = resolve_session(principal, header_session_id, req.metadata)  # checks the key's rights
         if self.side:
             session_id = None
+        if self.adapter is not None:  # an adapter the engines lack: a 404 now, before a stream starts
+            await gw.adapters.check(self.adapter)
         await gw.admit(session_id, req.metadata)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

@@ -1,4 +1,5 @@
-"""The CPU engine's LoRA routes, SGLang 0.5.23's: ``/load_lora_adapter`` and ``/unload_lora_adapter``.
+"""The CPU engine's LoRA routes, SGLang 0.5.23's: ``/load_lora_adapter``, ``/unload_lora_adapter`` and the adapters
+in ``/v1/models``.
 
 Answers as SGLang's ``http_server`` gives them: ``LoRAUpdateOutput`` with 200 on success (``error_message`` "" and
 every loaded name -> path), 400 on failure with SGLang's message; loading and unloading run off the event loop
@@ -8,6 +9,7 @@ every loaded name -> path), 400 on failure with SGLang's message; loading and un
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,7 +27,19 @@ def _answer(out: LoRAUpdateOutput) -> JSONResponse:
     return JSONResponse(out.model_dump(), status_code=200 if out.success else 400)
 
 
-def add_lora_routes(app: FastAPI, engine: CPUEngine, parse_body: Callable[..., Awaitable[Any]]) -> None:
+def add_lora_routes(app: FastAPI, engine: CPUEngine, parse_body: Callable[..., Awaitable[Any]],
+                    served_model_name: str) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        """SGLang's list: the served model, then (LoRA on) one card per loaded adapter with its parent."""
+        created = int(time.time())
+        cards = [{"id": served_model_name, "object": "model", "created": created, "owned_by": "sglang",
+                  "root": served_model_name, "max_model_len": engine.context_length}]
+        for name, path in (engine.adapters.loaded() if engine.adapters else {}).items():
+            cards.append({"id": name, "object": "model", "created": created, "owned_by": "sglang", "root": path,
+                          "parent": served_model_name, "max_model_len": None})
+        return {"object": "list", "data": cards}
+
     async def update(fn: Callable[[], dict[str, str]], unload: bool) -> JSONResponse:
         if engine.adapters is None:
             return _answer(LoRAUpdateOutput(success=False, error_message=NOT_ENABLED))

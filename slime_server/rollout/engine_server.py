@@ -313,7 +313,7 @@ def create_app(engine: CPUEngine, served_model_name: str | None = None,
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     app.state.weight_updates = add_weight_routes(app, engine, parse_body)
-    add_lora_routes(app, engine, parse_body)
+    add_lora_routes(app, engine, parse_body, served_model_name or engine.config.model_path)
     return app
 
 
