@@ -95,6 +95,8 @@ STATE_CHANGING = [  # every admin route with a body it accepts
     ("POST", "/destroy_weights_update_group", {"group_name": "g"}),
     ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": [], "flush_cache": False}),
     ("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}),
+    ("POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/nonexistent"}),
+    ("POST", "/unload_lora_adapter", {"lora_name": "a"}),
 ]
 
 
