@@ -14,6 +14,10 @@ cross-check of the whole Megatron path against an independent implementation).
 with the same ``--system`` tokens; the rows each computes, the median step times and their ratio, and both
 first losses and gradient norms (which must agree).
 
+``--lora RANK``: instead, a full GRPO step vs a LoRA step (rank RANK on every projection, issue 43) on the same batch:
+median step times, trainable parameters and the optimizer's state (Adam moments, and fp32 main copies where the
+model is not fp32), one trainer after the other in this process.
+
 ``--algorithms``: instead, one step of the policy alone vs one PPO step with a KL reference and a critic
 (reference log-probs in the step, values, the critic's step) on the same batch, and the parameter memory
 of each model: the cost of ``loss.kl_coef`` and ``algorithm: ppo``.
@@ -153,6 +157,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--algorithms", action="store_true", help="policy alone vs policy + KL reference + critic")
     ap.add_argument("--prefixes", action="store_true", help="the step with vs without shared prefixes once")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="a full step vs a LoRA step of this rank")
     ap.add_argument("--group", type=int, default=8, help="--prefixes: samples per prompt")
     ap.add_argument("--system", type=int, default=150, help="--prefixes: tokens every prompt starts with")
     ap.add_argument("--prompt", type=int, default=40, help="--prefixes: more prompt tokens per group")
@@ -173,6 +178,10 @@ def main() -> None:
                           **bench_prefixes(model_dir, args, settings, grouped)}))
         return
     samples = make_samples(vocab, args.batch, args.seq_len, seed=0, pad_id=getattr(hf_config, "pad_token_id", None))
+    if args.lora:
+        print(json.dumps({"model": model_dir, "batch": args.batch, "seq_len": args.seq_len, "threads": args.threads,
+                          **bench_lora(model_dir, args, samples)}))
+        return
     if args.algorithms:
         print(json.dumps({"model": model_dir, "batch": args.batch, "seq_len": args.seq_len,
                           **bench_algorithms(model_dir, args, samples)}))
@@ -219,6 +228,41 @@ def bench_prefixes(model_dir: str, args: argparse.Namespace, settings: Any, samp
     return {"rows": rows, "step_s": {k: round(v, 4) for k, v in med.items()},
             "speedup": round(med["plain"] / med["shared"], 2),
             "first_loss": {k: v[0] for k, v in first.items()}, "first_grad_norm": {k: v[1] for k, v in first.items()}}
+
+
+def bench_lora(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
+    """Median step time, trainable parameters and optimizer state of a full step vs a LoRA step."""
+    from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
+    from slime_server.trainer.parallel import destroy_parallel
+    from slime_server.trainer.portable import _torch_optimizers
+    from slime_server.trainer.settings import LoRASettings, LossConfig, OptimizerSettings
+    from slime_server.trainer.train_step import TrainStepSettings
+    from slime_server.utils.net import find_free_port
+
+    out: dict[str, Any] = {}
+    for name, lora in (("full", None), (f"lora_r{args.lora}", LoRASettings(rank=args.lora, alpha=2 * args.lora))):
+        rank = TrainerRank(TrainerRankSettings(
+            hf_path=model_dir, torch_threads=args.threads, optimizer=OptimizerSettings(lr=args.lr), lora=lora,
+            train=TrainStepSettings(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                                    loss=LossConfig(loss_type="grpo"))),
+            RendezvousInfo(rank=0, world_size=1, master_port=find_free_port()))
+        rank.setup()
+        times = []
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            rank.train_step(samples)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        state = sum(t.numel() * t.element_size() for opt in _torch_optimizers(rank.bundle)
+                    for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        trainable = sum(p.numel() for p in rank.bundle.model.parameters() if p.requires_grad)
+        out[name] = {"step_s": round(statistics.median(times), 3), "steps_s": [round(t, 3) for t in times],
+                     "trainable_m": round(trainable / 1e6, 3), "optimizer_state_mib": round(state / 2**20, 1)}
+        destroy_parallel()
+    lora_name = f"lora_r{args.lora}"
+    out["step_ratio_lora_over_full"] = round(out[lora_name]["step_s"] / out["full"]["step_s"], 3)
+    out["optimizer_state_ratio"] = round(out[lora_name]["optimizer_state_mib"] / out["full"]["optimizer_state_mib"], 4)
+    return out
 
 
 def bench_algorithms(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
