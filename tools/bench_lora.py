@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from slime_server.lora_format import CONFIG_FILE, PROJECTIONS, WEIGHTS_FILE, tensor_name
+from slime_server.lora_format import CONFIG_FILE, PROJECTIONS, WEIGHTS_FILE, projection_shapes, tensor_name
 from slime_server.models.registry import fetch_model
 from slime_server.rollout.cpu_engine import CPUEngine
 from slime_server.rollout.engine_config import EngineConfig
@@ -29,11 +29,10 @@ from slime_server.rollout.protocol import SamplingParams
 
 def write_adapter(out: Path, config: object, rank: int, seed: int) -> Path:
     """A random PEFT LoRA directory on every projection of ``config``'s layers."""
-    h, i = config.hidden_size, config.intermediate_size
+    h = config.hidden_size
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
-              "up_proj": (i, h), "down_proj": (h, i)}
+    shapes = projection_shapes(h, config.num_attention_heads * d, config.num_key_value_heads * d,
+                               config.intermediate_size)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):

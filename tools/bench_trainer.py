@@ -230,23 +230,30 @@ def bench_prefixes(model_dir: str, args: argparse.Namespace, settings: Any, samp
             "first_loss": {k: v[0] for k, v in first.items()}, "first_grad_norm": {k: v[1] for k, v in first.items()}}
 
 
-def bench_lora(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
-    """Median step time, trainable parameters and optimizer state of a full step vs a LoRA step."""
+def one_rank(model_dir: str, args: argparse.Namespace, loss: Any, **extra: Any) -> Any:
+    """A set-up single-process ``TrainerRank`` (Adam at ``args.lr``; ``extra``: more TrainerRankSettings)."""
     from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
-    from slime_server.trainer.parallel import destroy_parallel
-    from slime_server.trainer.portable import _torch_optimizers
-    from slime_server.trainer.settings import LoRASettings, LossConfig, OptimizerSettings
+    from slime_server.trainer.settings import OptimizerSettings
     from slime_server.trainer.train_step import TrainStepSettings
     from slime_server.utils.net import find_free_port
 
+    rank = TrainerRank(TrainerRankSettings(
+        hf_path=model_dir, torch_threads=args.threads, optimizer=OptimizerSettings(lr=args.lr),
+        train=TrainStepSettings(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, loss=loss), **extra),
+        RendezvousInfo(rank=0, world_size=1, master_port=find_free_port()))
+    rank.setup()
+    return rank
+
+
+def bench_lora(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
+    """Median step time, trainable parameters and optimizer state of a full step vs a LoRA step."""
+    from slime_server.trainer.parallel import destroy_parallel
+    from slime_server.trainer.portable import _torch_optimizers
+    from slime_server.trainer.settings import LoRASettings, LossConfig
+
     out: dict[str, Any] = {}
     for name, lora in (("full", None), (f"lora_r{args.lora}", LoRASettings(rank=args.lora, alpha=2 * args.lora))):
-        rank = TrainerRank(TrainerRankSettings(
-            hf_path=model_dir, torch_threads=args.threads, optimizer=OptimizerSettings(lr=args.lr), lora=lora,
-            train=TrainStepSettings(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-                                    loss=LossConfig(loss_type="grpo"))),
-            RendezvousInfo(rank=0, world_size=1, master_port=find_free_port()))
-        rank.setup()
+        rank = one_rank(model_dir, args, LossConfig(loss_type="grpo"), lora=lora)
         times = []
         for i in range(args.warmup + args.steps):
             t0 = time.perf_counter()
@@ -267,11 +274,8 @@ def bench_lora(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> 
 
 def bench_algorithms(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
     """Median step time: policy alone vs policy + KL reference + critic (same batch, same process)."""
-    from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
     from slime_server.trainer.parallel import destroy_parallel
-    from slime_server.trainer.settings import CriticSettings, LossConfig, OptimizerSettings
-    from slime_server.trainer.train_step import TrainStepSettings
-    from slime_server.utils.net import find_free_port
+    from slime_server.trainer.settings import CriticSettings, LossConfig
 
     def mbytes(module: torch.nn.Module | None) -> float:
         return 0.0 if module is None else sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
@@ -279,11 +283,7 @@ def bench_algorithms(model_dir: str, args: argparse.Namespace, samples: list[Any
     out: dict[str, Any] = {}
     for name, extra in (("policy", {}), ("policy+reference+critic", {"reference": True, "critic": CriticSettings()})):
         loss = LossConfig(loss_type="ppo", kl_coef=0.01 if extra else 0.0)
-        rank = TrainerRank(TrainerRankSettings(
-            hf_path=model_dir, torch_threads=args.threads, optimizer=OptimizerSettings(lr=args.lr),
-            train=TrainStepSettings(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, loss=loss), **extra),
-            RendezvousInfo(rank=0, world_size=1, master_port=find_free_port()))
-        rank.setup()
+        rank = one_rank(model_dir, args, loss, **extra)
         times = []
         for i in range(args.warmup + args.steps):
             t0 = time.perf_counter()

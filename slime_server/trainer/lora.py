@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slime_server.lora_format import projection_shapes
 from slime_server.trainer.model import ModelArch, unwrap
 from slime_server.trainer.settings import LoRASettings
 
@@ -66,14 +67,9 @@ def adapter_partition_dim(name: str) -> int | None:
 
 def part_sizes(arch: ModelArch, linear: str) -> dict[str, tuple[int, int]]:
     """(out, in) of each HF projection a Megatron linear fuses (full, unsharded)."""
-    h, d = arch.hidden_size, arch.head_dim
-    return {
-        "self_attention.linear_qkv": {"q_proj": (arch.num_heads * d, h), "k_proj": (arch.num_kv_heads * d, h),
-                                      "v_proj": (arch.num_kv_heads * d, h)},
-        "self_attention.linear_proj": {"o_proj": (h, arch.num_heads * d)},
-        "mlp.linear_fc1": {"gate_proj": (arch.ffn_hidden_size, h), "up_proj": (arch.ffn_hidden_size, h)},
-        "mlp.linear_fc2": {"down_proj": (h, arch.ffn_hidden_size)},
-    }[linear]
+    shapes = projection_shapes(arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim,
+                               arch.ffn_hidden_size)
+    return {p: shapes[p] for p in LINEARS[linear][1]}
 
 
 def interleave_groups(parts: list[torch.Tensor], groups: int, dim: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from slime_server.lora_format import PROJECTIONS
 from slime_server.trainer.advantages import AdvantageConfig
 
 LossType = Literal["grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "cispo", "sft"]
@@ -81,7 +82,7 @@ class OptimizerSettings(BaseModel):
 
 
 # PEFT's names of the projections a LoRA adapter can sit on (Llama / Qwen); "all-linear" is all of them
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = PROJECTIONS
 
 
 class LoRASettings(BaseModel):
