@@ -193,8 +193,10 @@ def test_kill_9_engine_under_load(tiny_model_path: Path, tmp_path: Path) -> None
             # checked below): so on the other engine
             assert len(in_flight) >= 4 and all(o == "ok" and t1 < caught_up_at for _, t1, o in in_flight)
             # calls did reach the dead engine and were sent again (the router retries first; the gateway,
-            # slime_engine_retries_total, when the router gives up: tests/test_partial_splice.py)
-            assert victim_failures >= 1 and router_retries + retries >= victim_failures
+            # slime_engine_retries_total, when the router gives up: tests/test_partial_splice.py). A stream the kill
+            # broke after its headers is not a failure in the router's count (CI saw 0 failed, 0 router retries and the
+            # gateway's 1 retry): every failure the router saw was retried, and at least one call was sent again
+            assert router_retries + retries >= max(victim_failures, 1)
             assert max(t1 - t0 for r in results for (t0, t1, _) in r) < 60
 
         # nothing was ever served from the restarted engine's stale (version 0) weights
