@@ -97,6 +97,7 @@ STATE_CHANGING = [  # every admin route with a body it accepts
     ("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}),
     ("POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/nonexistent"}),
     ("POST", "/unload_lora_adapter", {"lora_name": "a"}),
+    ("POST", "/load_lora_adapter_from_tensors", {"lora_name": "a", "config_dict": {}, "serialized_named_tensors": []}),
 ]
 
 

@@ -144,6 +144,53 @@ def test_load_unload_and_refusals_are_sglangs(engine: str, adapters: dict[str, P
     assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"pinned-few", "full-v2", "few-2"}, r.text
 
 
+def test_load_from_tensors_is_sglangs(engine: str, adapters: dict[str, Path]) -> None:
+    """``/load_lora_adapter_from_tensors`` (0.5.23's fields): a PEFT config and its tensors by shared memory, a
+    flattened bucket or SGLang's plain dict, serve as the same adapter loaded from its directory; a checksum that
+    does not match, or added tokens, load nothing; an unloaded tensor adapter is not reloaded on demand."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from slime_server.weights import serialize, serialize_flattened_bucket
+
+    config = json.loads((adapters["full"] / "adapter_config.json").read_text())
+    tensors = load_file(str(adapters["full"] / "adapter_model.safetensors"))
+    sums = {k: hashlib.sha256(v.contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in tensors.items()}
+
+    def post(path: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(f"{engine}{path}", json=body, timeout=120)
+
+    r = post("/load_lora_adapter_from_tensors", {
+        "lora_name": "t-flat", "config_dict": config, "load_format": "flattened_bucket",
+        "serialized_named_tensors": [serialize_flattened_bucket(sorted(tensors.items()))]})
+    assert r.status_code == 200 and r.json()["loaded_adapters"]["t-flat"] == "__tensor__", r.text
+    want = _generate(engine, PROMPTS[1], "full-v2")
+    got = _generate(engine, PROMPTS[1], "t-flat")
+    assert got["output_ids"] == want["output_ids"]
+    assert got["meta_info"]["output_token_logprobs"] == want["meta_info"]["output_token_logprobs"]
+    assert post("/unload_lora_adapter", {"lora_name": "t-flat"}).status_code == 200
+    r = httpx.post(f"{engine}/generate", json={"input_ids": PROMPTS[0], "lora_path": "t-flat",
+                                                "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 400 and "never been loaded: t-flat" in r.json()["error"]["message"]
+
+    bad = dict(sums, **{next(iter(sums)): "0" * 64})
+    for body, words in (({"expected_checksums": bad}, "LORA-CHECK"),
+                        ({"expected_checksums": {k: v for k, v in list(sums.items())[1:]}}, "1 extra"),
+                        ({"added_tokens_config": {"<x>": 49152}}, "added tokens")):
+        r = post("/load_lora_adapter_from_tensors", {"lora_name": "t-dict", "config_dict": config,
+                                                     "serialized_named_tensors": [serialize(dict(tensors))], **body})
+        assert r.status_code == 400 and words in r.json()["error_message"], r.text
+        assert "t-dict" not in r.json()["loaded_adapters"]
+    r = post("/load_lora_adapter_from_tensors", {"lora_name": "t-dict", "config_dict": config,
+                                                 "serialized_named_tensors": [serialize(dict(tensors))],
+                                                 "expected_checksums": sums})
+    assert r.status_code == 200, r.text
+    assert _generate(engine, PROMPTS[1], "t-dict")["output_ids"] == want["output_ids"]
+    assert post("/unload_lora_adapter", {"lora_name": "t-dict"}).status_code == 200
+
+
 def test_the_engines_lora_flags_are_sglangs() -> None:
     """Every LoRA flag of the CPU engine is a field of SGLang 0.5.23's ServerArgs, with SGLang's default where both
     have one (read from the wheel's arg_groups/fields/lora.py)."""

@@ -11,6 +11,7 @@ thread; only the copy into the bank's slot runs on the scheduler thread, between
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -18,11 +19,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from slime_server.lora_format import PROJECTIONS, AdapterError, read_config
+import torch
+
+from slime_server.lora_format import PROJECTIONS, AdapterError, parse_config, parse_tensor_name, read_config
 from slime_server.rollout.engine_config import EngineConfig
 from slime_server.rollout.engine_lora import AdapterBank, LoadedAdapter, ModelDims
 
 DEFAULT_MAX_RANK = 64
+FROM_TENSORS = "__tensor__"  # SGLang's registry path of an adapter loaded from tensors (never reloaded on demand)
 # SGLang's fused names for --lora-target-modules, and "all"
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -98,6 +102,13 @@ class EngineAdapters:
             if self.bank.get(name) is not None:
                 raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
             config, tensors = self.bank.read(path)
+            return self._load_checked(name, path, config, tensors, pinned)
+
+    def _load_checked(self, name: str, path: str, config: Any, tensors: dict[tuple[int, str, str], Any],
+                      pinned: bool) -> dict[str, str]:
+        with self._lock:
+            if self.bank.get(name) is not None:
+                raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
             pinned_now = sum(a.pinned for a in self.bank.adapters.values())
             if pinned and pinned_now + 1 >= self.max_loaded:
                 raise AdapterError(f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed to "
@@ -105,10 +116,28 @@ class EngineAdapters:
             while len(self.bank.adapters) >= self.max_loaded:
                 self._evict()
             self._on_scheduler(lambda: self.bank.load(name, path, config, tensors, pinned))
-            self.known[name] = (path, pinned)
+            if path != FROM_TENSORS:
+                self.known[name] = (path, pinned)
+            else:  # a name reused for tensors is not reloaded from an older path
+                self.known.pop(name, None)
             with self._lru_lock:
                 self._used[name] = None
             return self.loaded()
+
+    def load_tensors(self, name: str, config_dict: dict[str, Any], tensors: dict[str, Any], pinned: bool = False,
+                     expected_checksums: dict[str, str] | None = None) -> dict[str, str]:
+        """SGLang's ``/load_lora_adapter_from_tensors``: a PEFT config and its tensors by name, checked against
+        ``expected_checksums`` (sha256 of each tensor's bytes, every name exactly) before anything loads."""
+        if expected_checksums is not None:
+            check_sums(tensors, expected_checksums)
+        config = parse_config(config_dict, name)
+        self.bank.check(config, name)
+        try:
+            keyed = {parse_tensor_name(k): v for k, v in tensors.items()}
+        except AttributeError:
+            raise AdapterError(f"{name}: the payload must map PEFT tensor names to tensors") from None
+        checked = self.bank.checked(config, keyed, name)
+        return self._load_checked(name, FROM_TENSORS, config, checked, pinned)
 
     def unload(self, name: str) -> dict[str, str]:
         with self._lock:
@@ -170,3 +199,20 @@ class EngineAdapters:
             self._used[name] = None
             self._used.move_to_end(name)
         return adapter
+
+
+def check_sums(tensors: dict[str, Any], expected: dict[str, str]) -> None:
+    """SGLang's ``[LORA-CHECK]``: every expected name present with that sha256, no other tensor."""
+    mismatch, missing = [], []
+    for name, want in expected.items():
+        t = tensors.get(name)
+        if t is None:
+            missing.append(name)
+        elif hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest() \
+                != want:
+            mismatch.append(name)
+    extra = [n for n in tensors if n not in expected]
+    if mismatch or missing or extra:
+        raise AdapterError(f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected: {len(mismatch)} "
+                           f"value-diff {mismatch[:5]}, {len(missing)} missing {missing[:5]}, {len(extra)} extra "
+                           f"{extra[:5]}")

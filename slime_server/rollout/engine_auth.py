@@ -30,6 +30,7 @@ ADMIN_ROUTES = frozenset({
     "/flush_cache", "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
     "/update_weights_from_tensor", "/update_weights_from_distributed", "/abort_request", "/pause_generation",
     "/continue_generation", "/load_lora_adapter", "/unload_lora_adapter",
+    "/load_lora_adapter_from_tensors",
 })
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # k8s probes and scrapers, never keyed (prefix match)
 KEY_ENV = "SLIME_SERVER_ENGINE_KEY"  # how a CPU engine gets its key without showing it in `ps`

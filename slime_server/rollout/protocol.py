@@ -330,6 +330,21 @@ class UnloadLoRAAdapterReqInput(_Lenient):
     lora_name: str
 
 
+class LoadLoRAAdapterFromTensorsReqInput(_Lenient):
+    """SGLang's ``/load_lora_adapter_from_tensors`` body: an adapter's PEFT config and tensors under a new name, no
+    file. ``serialized_named_tensors``: one ``MultiprocessingSerializer`` payload (base64) per engine TP rank, a
+    ``{name: tensor}`` dict or (``load_format="flattened_bucket"``) one flat bucket; ``expected_checksums``: PEFT
+    name -> sha256 of each tensor's bytes, checked before anything loads."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    added_tokens_config: dict[str, int] | None = None
+    load_format: str | None = None
+    expected_checksums: dict[str, str] | None = None
+
+
 class LoRAUpdateOutput(BaseModel):
     """SGLang's answer to a LoRA load or unload (200 on success, 400 on failure): ``loaded_adapters`` maps every
     loaded name to its path (None when the request failed before reaching the adapters)."""
@@ -358,6 +373,7 @@ SGLANG_ROUTES: list[tuple[str, str, type[BaseModel] | None]] = [
     ("POST", "/update_weights_from_tensor", UpdateWeightsFromTensorReqInput),
     ("POST", "/load_lora_adapter", LoadLoRAAdapterReqInput),
     ("POST", "/unload_lora_adapter", UnloadLoRAAdapterReqInput),
+    ("POST", "/load_lora_adapter_from_tensors", LoadLoRAAdapterFromTensorsReqInput),
 ]
 
 
