@@ -108,7 +108,7 @@ def test_lora_job_trains_an_adapter_and_serves_it_merged(server: Any) -> None:
         r = c.post("/jobs", json={"lora": {"rank": 4, "target_modules": ["q_proj", "qkv"]}})
         assert r.status_code == 400 and "qkv" in r.json()["error"]["message"], r.text
     j = create_job(server, max_staleness=None, checkpoint_interval=2, loss={"kl_coef": 0.01},
-                   lora={"rank": 8, "alpha": 16, "target_modules": "all-linear"})
+                   lora={"rank": 8, "alpha": 16, "target_modules": "all-linear", "publish": "merged"})
     wait_event(server, j["id"], "trainer_ready")
     drive(server, 12)
     j = wait_job(server, j["id"], lambda j: j["step"] >= 3 and j["checkpoints"])

@@ -126,7 +126,8 @@ def test_serve_wires_the_supervisor_guard_into_every_job_loop(store: SQLiteTraje
 
     log = Log()
     gw_settings = GatewaySettings(port=1, db_path=str(tmp_path / "jobs.db"))
-    gw = SimpleNamespace(settings=gw_settings, store=store, model_name="tiny", jobs=None)
+    gw = SimpleNamespace(settings=gw_settings, store=store, model_name="tiny", jobs=None,
+                         adapters=SimpleNamespace(aliases=None))
     settings = ServerSettings(trainer={"work_dir": str(tmp_path / "work")})
     jobs = attach_jobs(gw, settings, "/m", lambda: [], push_guard=log.guard)
     lp = _loop(store, tmp_path, Log())

@@ -385,6 +385,19 @@ def test_open_store_picks_postgres_for_urls_and_ports_jobs_and_keys(db_url: str)
         keys.close()
 
 
+def test_adapter_aliases_on_postgres(db_url: str) -> None:
+    from slime_server.buffer.open import open_adapter_store
+    from tests._adapter_store_contract import check_adapter_store
+
+    a, b = open_adapter_store(db_url), open_adapter_store(db_url)
+    try:
+        assert type(a).__name__ == "PostgresAdapterStore"
+        check_adapter_store(a, b)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_database_without_create_rights_fails_typed(pg: PgServer, db_url: str) -> None:
     if pg.cluster is None:
         pytest.skip("creates a role on the test's own cluster")

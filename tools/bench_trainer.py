@@ -18,6 +18,11 @@ first losses and gradient norms (which must agree).
 median step times, trainable parameters and the optimizer's state (Adam moments, and fp32 main copies where the
 model is not fp32), one trainer after the other in this process.
 
+``--push RANK``: instead, what a LoRA job (rank RANK on every projection) sends an engine per version: the merged
+weights (``lora.publish = 'merged'``: the bucketed weight push, engine paused) vs the adapter alone (``'adapter'``:
+``/load_lora_adapter_from_tensors`` under a new name, nothing paused, the old name unloaded after), alternating, to
+one CPU engine started here with LoRA on: bytes and median wall time of each, and their ratios.
+
 ``--algorithms``: instead, one step of the policy alone vs one PPO step with a KL reference and a critic
 (reference log-probs in the step, values, the critic's step) on the same batch, and the parameter memory
 of each model: the cost of ``loss.kl_coef`` and ``algorithm: ppo``.
@@ -158,6 +163,8 @@ def main() -> None:
     ap.add_argument("--algorithms", action="store_true", help="policy alone vs policy + KL reference + critic")
     ap.add_argument("--prefixes", action="store_true", help="the step with vs without shared prefixes once")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="a full step vs a LoRA step of this rank")
+    ap.add_argument("--push", type=int, default=0, metavar="RANK", help="merged push vs adapter push of this rank")
+    ap.add_argument("--pushes", type=int, default=5, help="--push: pushes of each kind")
     ap.add_argument("--group", type=int, default=8, help="--prefixes: samples per prompt")
     ap.add_argument("--system", type=int, default=150, help="--prefixes: tokens every prompt starts with")
     ap.add_argument("--prompt", type=int, default=40, help="--prefixes: more prompt tokens per group")
@@ -176,6 +183,10 @@ def main() -> None:
         print(json.dumps({"model": model_dir, "batch": args.batch, "group": args.group, "system": args.system,
                           "prompt": args.prompt, "response": args.seq_len, "threads": args.threads,
                           **bench_prefixes(model_dir, args, settings, grouped)}))
+        return
+    if args.push:
+        print(json.dumps({"model": model_dir, "rank": args.push, "threads": args.threads,
+                          **bench_push(model_dir, args)}))
         return
     samples = make_samples(vocab, args.batch, args.seq_len, seed=0, pad_id=getattr(hf_config, "pad_token_id", None))
     if args.lora:
@@ -269,6 +280,52 @@ def bench_lora(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> 
     lora_name = f"lora_r{args.lora}"
     out["step_ratio_lora_over_full"] = round(out[lora_name]["step_s"] / out["full"]["step_s"], 3)
     out["optimizer_state_ratio"] = round(out[lora_name]["optimizer_state_mib"] / out["full"]["optimizer_state_mib"], 4)
+    return out
+
+
+def bench_push(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Bytes and median seconds of a merged push vs an adapter push (+ the old name's unload) to one engine."""
+    from slime_server.trainer.parallel import destroy_parallel
+    from slime_server.trainer.settings import LoRASettings, LossConfig
+    from slime_server.utils.net import find_free_port, wait_http_ok
+    from slime_server.utils.procs import kill_group, python_module_cmd, spawn
+
+    port = find_free_port()
+    engine = spawn(python_module_cmd("slime_server.rollout.engine_server", "--model-path", model_dir, "--host",
+                                     "127.0.0.1", "--port", str(port), "--num-threads", "1", "--enable-lora",
+                                     "--max-lora-rank", str(args.push)), env={"OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    rank = None
+    try:
+        wait_http_ok(f"{url}/health", timeout=300, proc=engine)
+        rank = one_rank(model_dir, args, LossConfig(loss_type="grpo"),
+                        lora=LoRASettings(rank=args.push, alpha=2 * args.push))
+        runs: dict[str, list[float]] = {"merged": [], "adapter": []}
+        sent: dict[str, int] = {}
+        previous = None
+        for i in range(args.pushes + 1):  # the first of each is a warm-up (buffers, connections)
+            t0 = time.perf_counter()
+            stats = rank.push_weights([url], i + 1)
+            if i:
+                runs["merged"].append(time.perf_counter() - t0)
+            sent["merged"] = stats["bytes"]
+            name = f"bench.v{i}"
+            t0 = time.perf_counter()
+            stats = rank.push_adapter([url], name)
+            if previous is not None:
+                rank.unload_adapter([url], previous)
+            if i:
+                runs["adapter"].append(time.perf_counter() - t0)
+            sent["adapter"], previous = stats["bytes"], name
+    finally:
+        if rank is not None:
+            rank.shutdown()
+            destroy_parallel()
+        kill_group(engine)
+    out: dict[str, Any] = {k: {"bytes": sent[k], "median_s": round(statistics.median(v), 4),
+                               "seconds": [round(t, 4) for t in v]} for k, v in runs.items()}
+    out["bytes_ratio"] = round(sent["adapter"] / sent["merged"], 4)
+    out["time_ratio"] = round(out["adapter"]["median_s"] / out["merged"]["median_s"], 4)
     return out
 
 

@@ -41,6 +41,8 @@ class RunnerSettings(BaseModel):
     base_url: str = Field(description="the server's /v1 URL")
     api_key: str = "none"
     model: str | None = Field(None, description="default: the first model the server lists")
+    adapter: str | None = Field(None, description="a LoRA adapter (or a job's alias) of that model: the episodes ask "
+                                "for '<model>:<adapter>'")
     n_samples_per_prompt: int = Field(4, ge=1)
     concurrency: int = Field(8, ge=1)
     temperature: float = Field(1.0, ge=0)
@@ -111,6 +113,8 @@ class AgentRunner:
                                  timeout=s.timeout_s)
         try:
             model = s.model or (await client.models.list()).data[0].id
+            if s.adapter:
+                model = f"{model}:{s.adapter}"
             sem = asyncio.Semaphore(s.concurrency)
             jobs = []
             for i, row in enumerate(rows):

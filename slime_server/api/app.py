@@ -25,7 +25,7 @@ from slime_server.api import (
 )
 from slime_server.api.access_log import AccessLogMiddleware
 from slime_server.api.errors import BodySizeLimitMiddleware, install_error_handlers
-from slime_server.buffer.open import open_key_store
+from slime_server.buffer.open import open_adapter_store, open_key_store
 from slime_server.config import GatewaySettings
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.engine_client import EngineClient
@@ -59,6 +59,7 @@ def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
     if source:  # minted keys live beside the trajectories (same SQLite file or Postgres database)
 
         app.state.gw.keys = open_key_store(source)
+        app.state.gw.adapters.aliases = open_adapter_store(source)  # published adapters' aliases, likewise
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AccessLogMiddleware)

@@ -45,8 +45,9 @@ TurnTypeHeader = Annotated[Literal["main", "side"] | None, Header(
 
 @router.get("/models", response_model=ModelList, response_model_exclude_none=True)
 async def list_models(gw: GW, _: Caller) -> ModelList:
-    """The served model, then each LoRA adapter the engines serve as ``<served>:<adapter>`` (its ``parent``)."""
-    adapters = sorted(await gw.adapters.names() or ())
+    """The served model, then each LoRA adapter the engines serve as ``<served>:<adapter>`` (its ``parent``): a
+    published alias by its alias, its versions not listed apart."""
+    adapters = await gw.adapters.listing()
     return ModelList(data=[ModelCard(id=gw.model_name),
                            *(ModelCard(id=f"{gw.model_name}:{a}", parent=gw.model_name) for a in adapters)])
 
@@ -56,7 +57,7 @@ async def get_model(model_id: str, gw: GW, _: Caller) -> ModelCard:
     adapter = core.check_model(gw, model_id)
     if adapter is None:
         return ModelCard(id=gw.model_name)
-    await gw.adapters.check(adapter)
+    await gw.adapters.route(adapter)
     return ModelCard(id=model_id, parent=gw.model_name)
 
 
@@ -78,8 +79,7 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
                       x_session_id: SessionHeader = None) -> CompletionResponse:
     """Raw completion; recorded as a one-turn trajectory (the prompt is context, the output generated)."""
     adapter = core.check_model(gw, req.model)
-    if adapter is not None:
-        await gw.adapters.check(adapter)
+    route = await gw.adapters.route(adapter) if adapter is not None else None
     if req.stream:
         raise bad_request("stream is not supported on /v1/completions; use /v1/chat/completions", param="stream")
     if req.n > gw.settings.max_n:
@@ -103,13 +103,14 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
     prepared = await recording.prepare_raw(gw.store, session_id, prompt_ids, req.n, owner=principal.session_owner)
     response_id = new_id("cmpl")
     outs = await gw.generate(prepared.session_id, response_id, prompt_ids, params, return_logprob=True,
-                             top_logprobs_num=req.logprobs or 0, lora_path=adapter)
+                             top_logprobs_num=req.logprobs or 0, route=route)
     completion = sum(len(o.output_ids) for o in outs)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
                   total_tokens=len(prompt_ids) + completion)
     texts = [core.answer_text(gw, o) for o in outs]
-    outcomes = [core.outcome(o, i, ResponseMessage(content=t), lora_adapter=adapter) for i, (o, t) in enumerate(zip(outs, texts,
-                                                                                                    strict=True))]
+    answered_by = route.name if route is not None else None
+    outcomes = [core.outcome(o, i, ResponseMessage(content=t), lora_adapter=answered_by)
+                for i, (o, t) in enumerate(zip(outs, texts, strict=True))]
     await recording.commit_turn(gw.sessions, prepared, outcomes, response_id, usage)
     choices = []
     for i, o in enumerate(outs):

@@ -125,6 +125,13 @@ MIGRATIONS: list[str] = [
         id TEXT PRIMARY KEY, role TEXT NOT NULL, name TEXT NOT NULL, key_hash TEXT NOT NULL,
         created_at {real} NOT NULL, revoked_at {real});
     """,
+    # 7: published LoRA adapters: an alias clients name (``<served>:<alias>``) -> the versioned adapter the engines
+    # hold now (stock SGLang cannot replace a loaded adapter: each update is loaded under a new name).
+    """
+    CREATE TABLE lora_adapters (
+        alias TEXT PRIMARY KEY, name TEXT NOT NULL, version INTEGER NOT NULL, job_id TEXT, previous TEXT,
+        created_at {real} NOT NULL, updated_at {real} NOT NULL);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from slime_server.buffer.adapter_store import AdapterStore, SQLiteAdapterStore
 from slime_server.buffer.job_store import JobStore, SQLiteJobStore
 from slime_server.buffer.key_store import KeyStore, SQLiteKeyStore
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
@@ -46,3 +47,12 @@ def open_key_store(url_or_path: str | Path) -> KeyStore:
 
         return PostgresKeyStore(str(url_or_path))
     return SQLiteKeyStore(url_or_path)
+
+
+def open_adapter_store(url_or_path: str | Path) -> AdapterStore:
+    """The published-adapter store (``SQLiteAdapterStore`` or ``PostgresAdapterStore``) for ``url_or_path``."""
+    if is_postgres_url(url_or_path):
+        from slime_server.buffer.postgres_store import PostgresAdapterStore  # lazy: loads psycopg
+
+        return PostgresAdapterStore(str(url_or_path))
+    return SQLiteAdapterStore(url_or_path)

@@ -12,6 +12,7 @@ user must be allowed to create tables in it (the schema is created and migrated 
 
 from __future__ import annotations
 
+from slime_server.buffer.adapter_store import AdapterStore
 from slime_server.buffer.job_store import JobStore
 from slime_server.buffer.key_store import KeyStore
 from slime_server.buffer.pg_conn import PostgresDatabase
@@ -36,5 +37,11 @@ class PostgresJobStore(JobStore):
 
 class PostgresKeyStore(KeyStore):
     def __init__(self, url: str, *, pool_max: int = 4, connect_timeout_s: float = 10.0) -> None:
+        self.url = url
+        super().__init__(PostgresDatabase(url, max_size=pool_max, connect_timeout_s=connect_timeout_s))
+
+
+class PostgresAdapterStore(AdapterStore):
+    def __init__(self, url: str, *, pool_max: int = 2, connect_timeout_s: float = 10.0) -> None:
         self.url = url
         super().__init__(PostgresDatabase(url, max_size=pool_max, connect_timeout_s=connect_timeout_s))

@@ -143,8 +143,10 @@ class Turn(BaseModel):
         "log-probs are the grammar-masked distribution's, so they are stored at loss mask 0 (a consumer that cannot "
         "apply the grammar leaves them out); this server's trainer rebuilds the masks and trains on them under the "
         "same masks (trainer/grammar_masks.py)")
-    lora_adapter: str | None = Field(None, description="the LoRA adapter that generated its tokens, as the request "
-                                     "named it ('<served>:<adapter>'); None: the base model")
+    lora_adapter: str | None = Field(None, description="the LoRA adapter that generated its tokens, by the engines' "
+                                     "name: a published alias's version (``<alias>@<job>.v<n>``), whose version is "
+                                     "also its tokens' weight version, or the adapter the request named; None: the "
+                                     "base model")
     created_at: float = Field(default_factory=now)
 
 

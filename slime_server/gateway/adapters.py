@@ -1,6 +1,11 @@
 """The LoRA adapters the engines serve, as the gateway needs them: ``/v1/models`` lists them, and a request naming
 one the engines lack is a 404 before anything starts (a stream included).
 
+A name may be an alias a job published (``buffer/adapter_store.py``): it routes to the versioned adapter the alias
+points at now, and every token that adapter generates is recorded with the adapter's version. A request routed to
+a version that is being unloaded (the alias moved on meanwhile: another replica, a stale cache) is sent again under
+the alias's current version before anything was answered, so an update never fails a request.
+
 The router answers ``/v1/models`` itself (its one model), so the gateway asks an engine behind it: the router's
 ``GET /workers``, then SGLang's ``GET /v1/models`` of a healthy worker (each adapter card has a ``parent``). The
 answer is kept ``TTL_S`` seconds and asked again when a request names an adapter not in it. Where no engine can be
@@ -11,20 +16,122 @@ engines' own refusal stands.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
-from slime_server.gateway.engine_client import EngineClient
+from slime_server.buffer.adapter_store import AdapterStore, PublishedAdapter, is_version_of
+from slime_server.gateway.engine_client import EngineClient, EngineError
 from slime_server.gateway.errors import APIError
+from slime_server.gateway.threads import in_thread
+from slime_server.rollout.protocol import GenerateOutput
 
 TTL_S = 2.0
+ALIAS_TTL_S = 1.0  # how long a replica routes by an alias it read (the trainer unloads a left version later)
+RESENDS = 3  # re-sends of one request after its version was unloaded (each one to the alias's newer version)
+
+
+@dataclass
+class AdapterRoute:
+    """Where one request's adapter goes: ``name`` on the engines; ``version`` the published alias's (None: an
+    adapter loaded by name, whose tokens keep the engine's ``weight_version``)."""
+
+    requested: str
+    name: str
+    version: int | None = None
+
+    def stamp(self, out: GenerateOutput) -> GenerateOutput:
+        if self.version is not None:  # the adapter is the policy: its version is every token's version
+            out.meta_info.weight_version = str(self.version)
+            out.meta_info.weight_versions = None
+        return out
 
 
 class AdapterDirectory:
     def __init__(self, engine: EngineClient, served_name: str) -> None:
         self.engine, self.served_name = engine, served_name
+        self.aliases: AdapterStore | None = None  # published aliases (set where the gateway has a store)
         self._names: set[str] | None = None
         self._at = -TTL_S
+        self._alias_cache: dict[str, tuple[float, PublishedAdapter | None]] = {}
+
+    async def published(self, alias: str, refresh: bool = False) -> PublishedAdapter | None:
+        """``alias``'s record (None: no such alias), read again after ``ALIAS_TTL_S``."""
+        if self.aliases is None:
+            return None
+        hit = self._alias_cache.get(alias)
+        if hit is not None and not refresh and time.monotonic() - hit[0] < ALIAS_TTL_S:
+            return hit[1]
+        record = await in_thread(self.aliases.get, alias)
+        if record is not None:  # a miss is not kept: an alias published a moment later is found at once
+            self._alias_cache[alias] = (time.monotonic(), record)
+        return record
+
+    async def listing(self) -> list[str]:
+        """What clients can name: every published alias, then the engines' adapters that are no alias's version."""
+        names = await self.names() or set()
+        records = await in_thread(self.aliases.list) if self.aliases is not None else []
+        shown = {n for n in names if not any(is_version_of(n, r.alias) for r in records)}
+        return sorted({r.alias for r in records} | shown)
+
+    async def route(self, requested: str) -> AdapterRoute:
+        """The route of a request naming ``requested`` (an alias or an engine's adapter name); a 404 now when the
+        engines are known not to serve it."""
+        record = await self.published(requested)
+        if record is None:
+            await self.check(requested)
+            return AdapterRoute(requested, requested)
+        route = AdapterRoute(requested, record.name, record.version)
+        try:
+            await self.check(route.name, shown=requested)
+        except APIError:
+            if not await self._moved(route):  # read the alias before the engines' list: it may have moved since
+                raise
+            await self.check(route.name, shown=requested)
+        return route
+
+    async def _moved(self, route: AdapterRoute) -> bool:
+        """True when the alias of ``route`` points elsewhere now (``route`` updated to it)."""
+        if route.version is None:
+            return False
+        record = await self.published(route.requested, refresh=True)
+        if record is None or record.name == route.name:
+            return False
+        route.name, route.version = record.name, record.version
+        return True
+
+    def unary(self, fn: Callable[..., Awaitable[list[GenerateOutput]]], route: AdapterRoute
+              ) -> Callable[..., Awaitable[list[GenerateOutput]]]:
+        """``fn`` (the engine's ``generate``) sent to ``route``'s adapter, re-sent when its version left."""
+        async def call(*args: Any, **kw: Any) -> list[GenerateOutput]:
+            for attempt in range(RESENDS + 1):
+                try:
+                    outs = await fn(*args, **{**kw, "lora_path": route.name})
+                except EngineError as e:
+                    if e.status != 404 or attempt == RESENDS or not await self._moved(route):
+                        raise
+                    continue
+                return [route.stamp(o) for o in outs]
+            raise AssertionError("unreachable")
+        return call
+
+    def streamed(self, fn: Callable[..., AsyncIterator[GenerateOutput]], route: AdapterRoute
+                 ) -> Callable[..., AsyncIterator[GenerateOutput]]:
+        """``fn`` (the engine's ``generate_stream``) likewise: re-sent only while nothing has been yielded."""
+        async def call(*args: Any, **kw: Any) -> AsyncIterator[GenerateOutput]:
+            for attempt in range(RESENDS + 1):
+                started = False
+                try:
+                    async for out in fn(*args, **{**kw, "lora_path": route.name}):
+                        started = True
+                        yield route.stamp(out)
+                    return
+                except EngineError as e:
+                    if started or e.status != 404 or attempt == RESENDS or not await self._moved(route):
+                        raise
+        return call
 
     async def names(self, refresh: bool = False) -> set[str] | None:
         """The adapters an engine serves now (None: no engine could be asked)."""
@@ -48,12 +155,13 @@ class AdapterDirectory:
             return None
         return None
 
-    async def check(self, adapter: str) -> None:
+    async def check(self, adapter: str, shown: str | None = None) -> None:
         """404 (``model_not_found``, param ``model``) when the engines are known not to serve ``adapter``."""
         names = await self.names()
         if names is not None and adapter not in names:
             names = await self.names(refresh=True)
         if names is not None and adapter not in names:
-            raise APIError(404, f"the model '{self.served_name}:{adapter}' does not exist: the engines serve no LoRA "
+            shown = shown or adapter
+            raise APIError(404, f"the model '{self.served_name}:{shown}' does not exist: the engines serve no LoRA "
                            f"adapter '{adapter}' (they serve: {', '.join(sorted(names)) or 'none'})",
                            code="model_not_found", param="model")

@@ -115,9 +115,11 @@ class Gateway:
         async def abort(rids: list[str]) -> int:
             return await abort_everywhere(self.engine.base_url, rids, self.engine.http)
 
+        route = kw.pop("route", None)  # a LoRA adapter's (gateway/adapters.py): re-sent when its version left
+        engine_call = self.adapters.unary(self.engine.generate, route) if route is not None else self.engine.generate
         try:
             outs, continued = await generate_continuing(
-                abort_resending(self.engine.generate, self.inflight.aborted, abort), input_ids, params, rid=rid,
+                abort_resending(engine_call, self.inflight.aborted, abort), input_ids, params, rid=rid,
                 aborted_by_us=self.inflight.aborted, max_continuations=self.settings.max_continuations,
                 register=register, token_bytes=self.renderer.token_bytes,
                 engine_retries=self.settings.engine_retries, **kw)
@@ -147,8 +149,11 @@ class Gateway:
         async def abort(rids: list[str]) -> int:
             return await abort_everywhere(self.engine.base_url, rids, self.engine.http)
 
+        route = kw.pop("route", None)
+        engine_stream = self.adapters.streamed(self.engine.generate_stream, route) if route is not None \
+            else self.engine.generate_stream
         try:
-            async for out in stream_samples(self.engine.generate_stream, input_ids, params, rid,
+            async for out in stream_samples(engine_stream, input_ids, params, rid,
                                             aborted=self.inflight.aborted, abort=abort, register=register,
                                             max_continuations=self.settings.max_continuations,
                                             engine_retries=self.settings.engine_retries,

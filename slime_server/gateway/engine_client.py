@@ -135,7 +135,10 @@ def _json_bytes(body: dict[str, Any]) -> bytes:
     return pydantic_core.to_json(body)
 
 
-_NO_ADAPTER = ("Got LoRA adapter that has never been loaded", "but LoRA is not enabled")
+# SGLang's words for an adapter it lacks: never loaded, unloaded meanwhile (its registry), loaded from tensors and
+# then unloaded (it cannot load it again), LoRA off; the CPU engine's for one being unloaded
+_NO_ADAPTER = ("Got LoRA adapter that has never been loaded", "requested LoRA adapters are not loaded",
+               "Failed to implicitly load LoRA adapter", "but LoRA is not enabled", "is being unloaded")
 
 
 def _raise_for_status(status_code: int, body: bytes) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from slime_server.gateway import constraints, recording
+from slime_server.gateway.adapters import AdapterRoute
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError, bad_request
 from slime_server.gateway.principal import Principal
@@ -239,7 +240,8 @@ class ChatTurn:
         self.prefill = self.constraint.prefill
         self.parse_tools = bool(req.tools) and choice != "none"
         self.prepared: Any = None
-        self.adapter = check_model(gw, req.model)  # the LoRA adapter that answers (None: the base)
+        self.adapter = check_model(gw, req.model)  # the LoRA adapter (or alias) asked for (None: the base)
+        self.route: AdapterRoute | None = None  # where it goes on the engines (prepare)
 
     async def prepare(self, principal: Principal, header_session_id: str | None) -> dict[str, Any]:
         """Resolve the session, get prompt ids, build the engine request."""
@@ -248,7 +250,7 @@ class ChatTurn:
         if self.side:
             session_id = None
         if self.adapter is not None:  # an adapter the engines lack: a 404 now, before a stream starts
-            await gw.adapters.check(self.adapter)
+            self.route = await gw.adapters.route(self.adapter)
         await gw.admit(session_id, req.metadata)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -265,7 +267,7 @@ class ChatTurn:
             presence_penalty=req.presence_penalty, ignore_eos=req.ignore_eos)
         params.update(self.constraint.grammar or {})
         return {"input_ids": prompt_ids, "sampling_params": params,
-                "top_logprobs_num": (req.top_logprobs or 0) if req.logprobs else 0, "lora_path": self.adapter}
+                "top_logprobs_num": (req.top_logprobs or 0) if req.logprobs else 0, "route": self.route}
 
     def usage(self, outs: list[GenerateOutput]) -> Usage:
         prompt = len(self.prepared.prompt_ids)
@@ -274,8 +276,9 @@ class ChatTurn:
 
     async def record(self, outs: list[GenerateOutput], messages: list[ResponseMessage]) -> Usage:
         usage = self.usage(outs)
-        outcomes = [outcome(o, i, m, self.constraint.grammar, self.adapter) for i, (o, m) in enumerate(zip(outs, messages,
-                                                                                             strict=True))]
+        adapter = self.route.name if self.route is not None else None  # the version that answered
+        outcomes = [outcome(o, i, m, self.constraint.grammar, adapter)
+                    for i, (o, m) in enumerate(zip(outs, messages, strict=True))]
         await recording.commit_turn(self.gw.sessions, self.prepared, outcomes, self.response_id, usage)
         return usage
 
@@ -284,7 +287,7 @@ class ChatTurn:
         gw = self.gw
         outs = await gw.generate(self.prepared.session_id, self.response_id, call["input_ids"],
                                  call["sampling_params"], return_logprob=True,
-                                 top_logprobs_num=call["top_logprobs_num"], lora_path=call["lora_path"])
+                                 top_logprobs_num=call["top_logprobs_num"], route=call["route"])
         messages = [build_message(gw, self.prefill + answer_text(gw, o), self.parse_tools) for o in outs]
         usage = await self.record(outs, messages)
         return TurnResult(outs=outs, messages=messages, usage=usage)

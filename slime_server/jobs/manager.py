@@ -24,9 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from slime_server.buffer.adapter_store import AdapterStore
 from slime_server.buffer.job_store import EventRow, JobRow, JobStore, MetricsRow
 from slime_server.buffer.store import TrajectoryStore
 from slime_server.job_logging import JobLog, WandbUnavailable, require_wandb
+from slime_server.jobs.adapters import alias_of, check_serving, publication, publishes_adapter
 from slime_server.jobs.errors import JobError
 from slime_server.jobs.metrics import JOB_DROPPED, JOB_METRIC, JOB_STEP, JOB_VERSION
 from slime_server.jobs.runners import DatasetDriver, Evaluator
@@ -60,8 +62,11 @@ class JobManager:
                  loop_hook: Callable[[TrainLoop], None] | None = None, gateway_url: str | None = None,
                  api_key: str | None = None, default_evals: list[tuple[str, str]] | None = None,
                  default_eval_env: str | None = None, engine_api_key: str | None = None,
-                 model_path: str | None = None) -> None:
+                 model_path: str | None = None, lora_enabled: bool = False, max_lora_rank: int | None = None,
+                 adapters: AdapterStore | None = None) -> None:
         self.store = store
+        self.lora_enabled, self.max_lora_rank = lora_enabled, max_lora_rank  # what the engines can serve
+        self.adapters = adapters  # published adapters' aliases (LoRA jobs publishing adapters)
         self.model_path = model_path  # the served model's directory: its tokenizer renders SFT conversations
         self.engine_api_key = engine_api_key  # the engines' key, for the loop's pause/continue/version calls
         self.default_evals = default_evals or []  # (name, JSONL path) from `serve --eval-data`
@@ -97,6 +102,10 @@ class JobManager:
         if spec.base_model is not None and self.served_model is not None and spec.base_model != self.served_model:
             raise JobError(400, f"base_model {spec.base_model!r} is not the served model {self.served_model!r}; "
                            "a live job trains the policy the engines serve", "invalid_value")
+        check_serving(spec, self.lora_enabled, self.max_lora_rank)
+        if publishes_adapter(spec) and self.adapters is None:
+            raise JobError(400, "this server keeps no adapter aliases (no store path); set lora.publish to 'merged'",
+                           "lora_not_enabled")
         with self._lock:
             active = [r.id for r in self.jobs.list_jobs() if r.status in ACTIVE]
             if active:
@@ -255,7 +264,8 @@ class JobManager:
                          on_event=on_event, job_id=row.id, source=self._source(spec),
                          supervised=spec.algorithm == "sft",
                          rejection=Rejection(**spec.rejection.model_dump()) if spec.rejection else None,
-                         grammar_masker=GrammarMasker(self.model_path) if self.model_path else None)
+                         grammar_masker=GrammarMasker(self.model_path) if self.model_path else None,
+                         adapter=publication(spec, row.id, self.adapters, engines) if self.adapters else None)
         if row.status == "paused":
             loop.paused.set()
 
@@ -264,10 +274,11 @@ class JobManager:
         if spec.data.source == "dataset":
             if self.gateway_url is None:
                 raise JobError(400, "this server cannot run dataset jobs (no gateway URL)", "no_gateway")
-            driver = DatasetDriver(spec, loop, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d))
+            driver = DatasetDriver(spec, loop, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d),
+                                   adapter=alias_of(spec, row.id))
         tb = self._job_log(row, spec, job_dir, restoring)  # last: nothing after it can fail and leak a W&B run
         evaluator = Evaluator(spec.eval, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d), tb,
-                              job_stop=loop.stop)
+                              job_stop=loop.stop, adapter=alias_of(spec, row.id))
         run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb,
                        evaluator)
         # rollout-only and file-fed jobs (SFT conversations, replay) consume nothing from the buffer

@@ -38,7 +38,7 @@ class DatasetDriver:
     """Plays a dataset job's episodes through /v1 while its loop runs (paused with it, stops with it)."""
 
     def __init__(self, spec: JobSpec, loop: TrainLoop, base_url: str, api_key: str | None,
-                 on_event: Callable[[str, dict[str, Any]], None]) -> None:
+                 on_event: Callable[[str, dict[str, Any]], None], adapter: str | None = None) -> None:
         d = spec.data
         env = get_environment(d.environment or "")
         self.rows = load_jsonl(d.dataset) if d.dataset else env.default_dataset(d.num_prompts, seed=d.seed)
@@ -47,8 +47,9 @@ class DatasetDriver:
         self.per_round = max(1, d.concurrency // spec.loop.n_samples_per_prompt)
         self.runner = AgentRunner(env, RunnerSettings(
             base_url=base_url, api_key=api_key or "none", n_samples_per_prompt=spec.loop.n_samples_per_prompt,
-            concurrency=d.concurrency, temperature=d.temperature, max_tokens=d.max_tokens))
+            concurrency=d.concurrency, temperature=d.temperature, max_tokens=d.max_tokens, adapter=adapter))
         self.loop, self.on_event = loop, on_event
+        self.adapter_first = adapter is not None and spec.train  # episodes start once the job's adapter is served
         self.episodes = 0
         self.halt = threading.Event()  # set with the loop's stop, or alone when the job reaches its end
 
@@ -63,8 +64,8 @@ class DatasetDriver:
         total = None if passes is None else passes * len(self.rows)
         stopping = _Either(self.loop.stop, self.halt)
         while not stopping.is_set() and (total is None or i < total):
-            if self.loop.paused.is_set():
-                stopping.wait(0.2)
+            if self.loop.paused.is_set() or (self.adapter_first and not self.loop.published.is_set()):
+                stopping.wait(0.2)  # paused, or its adapter not yet on the engines (the alias names nothing yet)
                 continue
             n = self.per_round if total is None else min(self.per_round, total - i)
             chunk = [self.rows[(i + k) % len(self.rows)] for k in range(n)]
@@ -90,8 +91,9 @@ class Evaluator:
 
     def __init__(self, specs: list[EvalSpec], base_url: str | None, api_key: str | None,
                  on_event: Callable[[str, dict[str, Any]], None], tb: Any,
-                 job_stop: threading.Event | None = None) -> None:
+                 job_stop: threading.Event | None = None, adapter: str | None = None) -> None:
         self.specs, self.base_url, self.api_key, self.on_event, self.tb = specs, base_url, api_key, on_event, tb
+        self.adapter = adapter  # a LoRA job's alias: its policy is the adapter
         self._job_stop = job_stop or threading.Event()  # the job's loop stop: a cancel cuts the round at once
         self._lock = threading.Lock()
         self._running = False
@@ -153,7 +155,7 @@ class Evaluator:
                 runner = AgentRunner(env, RunnerSettings(
                     base_url=self.base_url or "", api_key=self.api_key or "none", n_samples_per_prompt=1,
                     concurrency=e.concurrency, temperature=e.temperature, max_tokens=e.max_tokens, seed=e.seed,
-                    post_rewards=False, serve_only=True))
+                    post_rewards=False, serve_only=True, adapter=self.adapter))
                 try:
                     summary = asyncio.run(runner.run(rows, stop=_Either(self._job_stop, self._cut)))
                 except Exception as exc:  # noqa: BLE001 - reported, never kills the job

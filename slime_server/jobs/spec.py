@@ -113,7 +113,8 @@ class JobSpec(_Strict):
                                       "of all its weights (rank, alpha, dropout, target_modules as PEFT names them): "
                                       "only the adapter is in the optimizer and the checkpoints (each "
                                       "checkpoint also holds it as a PEFT directory, adapter/); the KL reference is "
-                                      "the base under the adapter; engines are sent the merged weights")
+                                      "the base under the adapter; lora.publish says how it is served (its own "
+                                      "alias, default, or merged into the served weights)")
     data: DataSpec = Field(default_factory=DataSpec)
     train: bool = Field(True, description="false: rollout-only (slime's debug-rollout-only): the dataset's "
                         "episodes are played and recorded, data.epochs times over, and nothing is trained")

@@ -116,10 +116,7 @@ class EngineAdapters:
             while len(self.bank.adapters) >= self.max_loaded:
                 self._evict()
             self._on_scheduler(lambda: self.bank.load(name, path, config, tensors, pinned))
-            if path != FROM_TENSORS:
-                self.known[name] = (path, pinned)
-            else:  # a name reused for tensors is not reloaded from an older path
-                self.known.pop(name, None)
+            self.known[name] = (path, pinned)
             with self._lru_lock:
                 self._used[name] = None
             return self.loaded()
@@ -193,6 +190,9 @@ class EngineAdapters:
                 adapter = self.bank.get(name)
                 if adapter is None:
                     path, pinned = self.known[name]
+                    if path == FROM_TENSORS:  # SGLang tries to load "__tensor__" as a path, and fails so
+                        raise AdapterError(f"Failed to implicitly load LoRA adapter {name}: it was loaded from "
+                                           "tensors and has no path to load it again from")
                     self.load(name, path, pinned)
                     adapter = self.bank.get(name)
         with self._lru_lock:

@@ -92,7 +92,8 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
                       served_model=gw.model_name, loop_hook=configure_loop,
                       gateway_url=f"http://{host}:{gw.settings.port}/v1", api_key=gw.settings.api_key,
                       default_evals=default_evals or [], default_eval_env=eval_env, engine_api_key=engine_api_key,
-                      model_path=model_path)
+                      model_path=model_path, lora_enabled=settings.engine.enable_lora,
+                      max_lora_rank=settings.engine.max_lora_rank, adapters=gw.adapters.aliases)
     gw.jobs = jobs
     restored = jobs.restore()
     if restored:

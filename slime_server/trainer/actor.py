@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import BaseModel, Field
 
+from slime_server.trainer.adapter_push import AdapterPusher
 from slime_server.trainer.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from slime_server.trainer.convert import iter_hf_tensors, load_hf_checkpoint_into
 from slime_server.trainer.critic import build_value_model, compute_values, critic_step
@@ -25,7 +26,7 @@ from slime_server.trainer.lora import adapters_disabled, attach_lora
 from slime_server.trainer.model import build_gpt_model
 from slime_server.trainer.optimizer import OptimizerBundle, build_optimizer
 from slime_server.trainer.parallel import destroy_parallel, init_parallel, open_rendezvous
-from slime_server.trainer.peft_io import save_peft_adapter
+from slime_server.trainer.peft_io import adapter_config, peft_state_dict, save_peft_adapter
 from slime_server.trainer.pipeline import gather_stages, pipeline_hf_tensors
 from slime_server.trainer.settings import CriticSettings, LoRASettings, OptimizerSettings
 from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
@@ -279,6 +280,31 @@ class TrainerRank:
             staging = self._staging
         return self._pusher.push(self.named_hf_tensors(staging), version=version).model_dump()
 
+    def push_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, Any]:
+        """Load this job's LoRA adapter into ``engine_urls`` under the new name ``name`` (trainer/adapter_push.py;
+        collective: every rank joins the gathers, only the sender rank sends)."""
+        lora = self.settings.lora
+        if lora is None:
+            raise RuntimeError("this trainer has no LoRA adapter to push (TrainerRankSettings.lora)")
+        tensors = peft_state_dict(self._ready().model)
+        if not is_push_sender():
+            return {"version": name, "sent": False, "tensors": len(tensors)}
+        return self._adapter_pusher(engine_urls).push(name, adapter_config(lora, self.settings.hf_path),
+                                                      tensors).model_dump()
+
+    def unload_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, str]:
+        """Unload an adapter version from ``engine_urls`` (they wait for its requests); url -> error."""
+        return self._adapter_pusher(engine_urls).unload(name) if is_push_sender() else {}
+
+    def _adapter_pusher(self, engine_urls: Sequence[str]) -> AdapterPusher:
+        key = tuple(engine_urls)
+        if getattr(self, "_adapter_key", None) != key:
+            if getattr(self, "_adapters", None) is not None:
+                self._adapters.close()
+            self._adapters = AdapterPusher(key, api_key=self.settings.engine_api_key)
+            self._adapter_key = key
+        return self._adapters
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -295,6 +321,9 @@ class TrainerRank:
         return self.node_id(), socket.gethostname(), os.getpid()
 
     def shutdown(self) -> None:
+        if getattr(self, "_adapters", None) is not None:
+            self._adapters.close()
+            self._adapters = None
         if getattr(self, "_pusher", None) is not None:
             self._pusher.close()
             self._pusher = None
@@ -375,6 +404,15 @@ class TrainerGroup:
                      bucket_bytes: int | None = None) -> dict[str, Any]:
         """The sender rank's push stats (raises the sender's ``WeightPushError``)."""
         return next(r for r in self._all("push_weights", list(engine_urls), version, bucket_bytes) if r["sent"])
+
+    def push_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, Any]:
+        return next(r for r in self._all("push_adapter", list(engine_urls), name) if r["sent"])
+
+    def unload_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for r in self._all("unload_adapter", list(engine_urls), name):
+            out.update(r)
+        return out
 
     def node_ids(self) -> list[str]:
         """The Ray node of every rank."""

@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -64,6 +65,7 @@ from slime_server.trainer.types import TrainSample
 from slime_server.utils.net import engine_limits
 
 log = logging.getLogger(__name__)
+UNLOAD_AFTER_S = 3.0  # > the gateway's alias cache (gateway/adapters.ALIAS_TTL_S)
 
 
 class Trainer(Protocol):
@@ -84,7 +86,22 @@ class Trainer(Protocol):
     def push_weights(self, engine_urls: Sequence[str], version: int | str,
                      bucket_bytes: int | None = None) -> dict[str, Any]: ...
 
+    def push_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, Any]: ...
+
     def shutdown(self) -> None: ...
+
+
+@dataclass
+class AdapterPublication:
+    """A LoRA job that publishes its adapter instead of pushing weights (``lora.publish = 'adapter'``): each version
+    is loaded into the engines as ``versioned(version)``, then ``publish(name, version)`` points the alias at it
+    and returns the name it pointed at before, which ``unload`` removes from the engines (off the loop's thread:
+    the engines wait for that version's requests)."""
+
+    alias: str
+    versioned: Callable[[int], str]
+    publish: Callable[[str, int], str | None]
+    unload: Callable[[str], None]
 
 
 class Batch(BaseModel):
@@ -158,6 +175,20 @@ class EngineControl:
     def resume(self) -> None:
         self._all("/continue_generation")
 
+    def unload_adapter(self, name: str, timeout: float = 600.0) -> dict[str, str]:
+        """Unload a LoRA adapter from every engine (each waits for its requests to finish, hence the long timeout);
+        an engine without it (restarted) is fine. url -> error."""
+        errors: dict[str, str] = {}
+        for url in self.urls():
+            try:
+                r = self._client.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=timeout)
+            except httpx.HTTPError as e:
+                errors[url] = repr(e)
+                continue
+            if r.status_code != 200 and "does not exist" not in r.text:
+                errors[url] = r.text[:300]
+        return errors
+
     def close(self) -> None:
         self._client.close()
 
@@ -172,8 +203,10 @@ class TrainLoop:
                  push_guard: Callable[[], AbstractContextManager[Any]] | None = None,
                  clock: Callable[[], float] = time.time, source: BatchSource | None = None,
                  supervised: bool = False, rejection: Rejection | None = None,
-                 grammar_masker: GrammarMasker | None = None) -> None:
+                 grammar_masker: GrammarMasker | None = None, adapter: AdapterPublication | None = None) -> None:
         self.store = store
+        self.adapter = adapter  # a LoRA job publishing its adapter (None: pushes weights)
+        self.published = threading.Event()  # set once its adapter is on the engines (its episodes wait for it)
         self.grammar_masker = grammar_masker  # rebuilds constrained turns' masks (None: they stay out of the loss)
         self.source = source  # None: rewarded trajectories from the buffer
         self.supervised = supervised  # SFT: samples train as they are (no advantages, no old log-probs)
@@ -215,6 +248,9 @@ class TrainLoop:
     def _restore(self) -> None:
         assert self.trainer is not None
         ckpt = self.state.checkpoints[-1] if self.state.checkpoints else None
+        if ckpt is None and self.state.step == 0 and self.adapter is not None:
+            self._push()  # fresh adapter job: version 0 (B = 0: the base's answers) under the job's alias
+            return
         if ckpt is None and self.state.step == 0:
             # fresh job: the engines serve the base weights as version 0, unless an earlier job moved
             # them on; then the base weights go out under the next version (versions never go back)
@@ -480,13 +516,18 @@ class TrainLoop:
         with self._push_lock:
             if self.trainer is None:
                 return False
-            with self.push_guard():
-                stats = self.trainer.push_weights([url], self.state.version, self.settings.bucket_bytes)
+            if self.adapter is not None:  # a restarted engine lacks the adapter; its base weights never moved
+                stats = self.trainer.push_adapter([url], self.adapter.versioned(self.state.version))
+            else:
+                with self.push_guard():
+                    stats = self.trainer.push_weights([url], self.state.version, self.settings.bucket_bytes)
         self.on_event("engine_caught_up", {"url": url, "version": self.state.version, "seconds": stats.get("seconds")})
         return True
 
     def _push(self) -> dict[str, Any]:
         assert self.trainer is not None
+        if self.adapter is not None:
+            return self._publish()
         with self._push_lock:
             urls = self.engines.urls()
             with self.push_guard():
@@ -496,6 +537,34 @@ class TrainLoop:
                                          "referenced_bytes": stats.get("referenced_bytes"),
                                          "mode": stats.get("mode")})
         return stats
+
+
+    def _publish(self) -> dict[str, Any]:
+        """The adapter's current version into every engine (nothing paused), the alias moved to it, the version it
+        left unloaded in the background."""
+        assert self.trainer is not None and self.adapter is not None
+        a = self.adapter
+        with self._push_lock:
+            urls = self.engines.urls()
+            name = a.versioned(self.state.version)
+            stats = self.trainer.push_adapter(urls, name)
+            previous = a.publish(name, self.state.version)
+        self.published.set()
+        if previous and previous != name:
+            threading.Thread(target=self._unload_later, args=(previous,), name=f"unload-{previous}",
+                             daemon=True).start()
+        self.on_event("adapter_published", {"alias": a.alias, "name": name, "version": self.state.version,
+                                            "previous": previous, "engines": len(urls),
+                                            "seconds": stats.get("seconds"), "bytes": stats.get("bytes")})
+        return stats
+
+
+    def _unload_later(self, name: str) -> None:
+        """Unload a left version once every gateway has stopped routing new requests to it (their alias reads
+        expire after ``UNLOAD_AFTER_S``; a request that still reaches it is sent again by the gateway)."""
+        time.sleep(UNLOAD_AFTER_S)
+        assert self.adapter is not None
+        self.adapter.unload(name)
 
 
 def _is_trainer_failure(e: BaseException, alive: Callable[[], bool] | None = None) -> bool:

@@ -97,6 +97,12 @@ class LoRASettings(BaseModel):
     dropout: float = Field(0.0, ge=0, lt=1, description="lora_dropout: on the adapter's input, training only")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description=f"PEFT module names out of {', '.join(LORA_TARGETS)}, or 'all-linear'")
+    publish: Literal["adapter", "merged"] = Field(
+        "adapter", description="how a job serves what it learns: 'adapter' loads each version into the engines "
+        "beside the base (engines started with LoRA on), clients name it '<served>:<name>', the base and everyone "
+        "else untouched; 'merged' pushes base + adapter as the served weights, for every client")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="publish 'adapter': "
+                             "the alias clients name as '<served>:<name>' (default: the job's id)")
 
     @model_validator(mode="after")
     def _check(self) -> LoRASettings:

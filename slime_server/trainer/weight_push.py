@@ -153,8 +153,9 @@ def http_error_text(response: httpx.Response) -> str:
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])
-        if "message" in body:
-            return str(body["message"])
+        for key in ("message", "error_message"):  # weight updates / LoRA updates
+            if body.get(key):
+                return str(body[key])
     return str(body)[:300]
 
 
@@ -350,7 +351,7 @@ class WeightPusher:
         except ValueError:
             return
         if isinstance(data, dict) and data.get("success") is False:
-            raise RuntimeError(f"{path} failed: {data.get('message')}")
+            raise RuntimeError(f"{path} failed: {data.get('message') or data.get('error_message')}")
 
     def _on_all(self, urls: Sequence[str], fn: Callable[[str], None], errors: dict[str, str]) -> None:
         futures = [(u, self._pool.submit(fn, u)) for u in urls]

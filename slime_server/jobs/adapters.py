@@ -1,0 +1,69 @@
+"""A LoRA job that publishes its adapter (``lora.publish = 'adapter'``, the default): where its versions go.
+
+Each version is loaded into the engines beside the base and every other adapter (trainer/adapter_push.py), the
+job's alias (``lora.name``, default the job's id) is moved to it in the store every gateway reads
+(buffer/adapter_store.py), and the version it left is unloaded once its requests have drained. The job's own
+episodes and evaluations are played through the alias (``<served>:<alias>``), so what it trains on is what its
+adapter generated, version by version.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from slime_server.buffer.adapter_store import AdapterStore, versioned_name
+from slime_server.jobs.errors import JobError
+from slime_server.jobs.spec import JobSpec
+from slime_server.trainer.loop import AdapterPublication, EngineControl
+
+log = logging.getLogger(__name__)
+
+
+def publishes_adapter(spec: JobSpec) -> bool:
+    return spec.lora is not None and spec.lora.publish == "adapter"
+
+
+def alias_of(spec: JobSpec, job_id: str) -> str | None:
+    """The alias clients and the job's own episodes name (None: the job pushes weights)."""
+    if not publishes_adapter(spec):
+        return None
+    assert spec.lora is not None
+    return spec.lora.name or job_id
+
+
+def check_serving(spec: JobSpec, lora_enabled: bool, max_lora_rank: int | None) -> None:
+    """A 400 before anything starts when the engines cannot serve this job's adapter."""
+    if not publishes_adapter(spec):
+        return
+    assert spec.lora is not None
+    if not lora_enabled:
+        raise JobError(400, "lora.publish 'adapter' needs engines that serve LoRA adapters: start serve with "
+                       "--enable-lora (engine.enable_lora), or set lora.publish to 'merged'", "lora_not_enabled")
+    if max_lora_rank is not None and spec.lora.rank > max_lora_rank:
+        raise JobError(400, f"lora.rank {spec.lora.rank} is above the engines' max_lora_rank {max_lora_rank}",
+                       "invalid_value")
+
+
+def publication(spec: JobSpec, job_id: str, adapters: AdapterStore, engines: EngineControl
+                ) -> AdapterPublication | None:
+    alias = alias_of(spec, job_id)
+    if alias is None:
+        return None
+
+    def publish(name: str, version: int) -> str | None:
+        return adapters.publish(alias, name, version, job_id).previous
+
+    def unload(name: str) -> None:
+        errors = engines.unload_adapter(name)
+        if errors:
+            log.warning("unloading adapter %s: %s", name, errors)
+
+    return AdapterPublication(alias=alias, versioned=lambda v: versioned_name(alias, job_id, v), publish=publish,
+                              unload=unload)
+
+
+def runner_adapter(spec: JobSpec, job_id: str) -> dict[str, Any]:
+    """``RunnerSettings`` fields that send the job's own episodes to its adapter."""
+    alias = alias_of(spec, job_id)
+    return {"adapter": alias} if alias else {}

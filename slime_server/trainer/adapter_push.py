@@ -1,0 +1,119 @@
+"""A LoRA job's push: its adapter loaded into every engine under a new versioned name, nothing paused.
+
+Why not the weight push: SGLang serves many adapters over one base, and ``/load_lora_adapter_from_tensors`` adds one
+while every request (the base's, other adapters', the older version's) keeps running; stock SGLang cannot replace a
+loaded adapter in place, so each version gets a name of its own and the old one is unloaded after the gateway's
+alias has moved (``unload``, which the engine makes wait for that version's requests). The tensors go as one
+flattened bucket in shared memory, by reference (engines on this host), with SGLang's ``expected_checksums``: the
+engine refuses an adapter whose bytes it did not receive exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import torch
+
+from slime_server.rollout.engine_auth import auth_headers
+from slime_server.rollout.engine_info import engine_tp_size
+from slime_server.rollout.protocol import LoadLoRAAdapterFromTensorsReqInput, UnloadLoRAAdapterReqInput
+from slime_server.trainer.weight_push import EnginePushStats, PushStats, WeightPushError, http_error_text
+from slime_server.utils.net import engine_limits, is_local_host
+from slime_server.weights import (
+    FLATTENED_BUCKET,
+    SharedArena,
+    fill_flat,
+    flat_size,
+    flattened_payload,
+    layout_of,
+    serialize,
+)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """SGLang's checksum of one adapter tensor: sha256 of its bytes, C order."""
+    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class AdapterPusher:
+    """Loads and unloads one job's adapter versions on a fixed set of engines on this host."""
+
+    def __init__(self, engine_urls: Sequence[str], *, api_key: str | None = None, timeout: float = 600.0) -> None:
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        remote = [u for u in self.engine_urls if not is_local_host(httpx.URL(u).host)]
+        if remote:
+            raise RuntimeError(f"adapter pushes reach engines on this host only (shared memory), not {remote}; "
+                               "for engines elsewhere train with lora.publish = 'merged'")
+        self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key), limits=engine_limits())
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)), thread_name_prefix="adapter-push")
+        self._arena = SharedArena(shared=True)
+        self._tp: dict[str, int] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._client.close()
+        self._arena.close()
+
+    def _post(self, url: str, path: str, body: Any) -> None:
+        try:
+            r = self._client.post(f"{url}{path}", content=body.model_dump_json(exclude_none=True),
+                                  headers={"Content-Type": "application/json"})
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"{path}: {type(e).__name__}: {e}") from None
+        if r.status_code >= 400:
+            raise RuntimeError(f"{path} -> HTTP {r.status_code}: {http_error_text(r)}")
+
+    def _on_all(self, fn: Any) -> dict[str, str]:
+        futures = [(u, self._pool.submit(fn, u)) for u in self.engine_urls]
+        return {u: str(f.exception()) for u, f in futures if f.exception() is not None}
+
+    def push(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> PushStats:
+        """Load the adapter (PEFT ``config`` and tensors by PEFT name) into every engine as ``name``; raises
+        ``WeightPushError`` naming each engine that did not take it."""
+        t0 = time.perf_counter()
+        named = sorted(tensors.items())
+        metas = layout_of(named)
+        flat = self._arena.buffer(0, flat_size(metas))
+        fill_flat(flat, named, metas)
+        payload = serialize(flattened_payload(flat, metas))
+        sums = {n: tensor_sha256(t) for n, t in named}
+        pack_s = time.perf_counter() - t0
+        spent = dict.fromkeys(self.engine_urls, 0.0)
+
+        def load(url: str) -> None:
+            if url not in self._tp:  # an SGLang engine with --tp-size 2 takes one payload per rank
+                self._tp[url] = engine_tp_size(self._client, url, timeout=10) or 1
+            body = LoadLoRAAdapterFromTensorsReqInput(lora_name=name, config_dict=config,
+                                                      serialized_named_tensors=[payload] * self._tp[url],
+                                                      load_format=FLATTENED_BUCKET, expected_checksums=sums)
+            t = time.perf_counter()
+            try:
+                self._post(url, "/load_lora_adapter_from_tensors", body)
+            finally:
+                spent[url] = time.perf_counter() - t
+
+        errors = self._on_all(load)
+        if errors:
+            raise WeightPushError(name, {u: None if u in errors else name for u in self.engine_urls}, errors)
+        total = time.perf_counter() - t0
+        size = flat_size(metas)
+        return PushStats(version=name, sent=True, mode="adapter", tensors=len(named), bytes=size, buckets=1,
+                         pack_seconds=pack_s, seconds=total, gbps=size / 1e9 / total if total else 0.0,
+                         engines=[EnginePushStats(url=u, seconds=spent[u], gbps=size / 1e9 / spent[u] if spent[u]
+                                                  else 0.0, weight_version=name) for u in self.engine_urls])
+
+    def unload(self, name: str) -> dict[str, str]:
+        """Unload ``name`` from every engine (each waits for that version's requests: call it off the training
+        path); an engine that no longer has it (restarted) is fine. Returns url -> error."""
+        def unload(url: str) -> None:
+            try:
+                self._post(url, "/unload_lora_adapter", UnloadLoRAAdapterReqInput(lora_name=name))
+            except RuntimeError as e:
+                if "does not exist" not in str(e):
+                    raise
+        return self._on_all(unload)

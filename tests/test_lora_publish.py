@@ -1,0 +1,121 @@
+"""Issue 43: a LoRA job publishes its adapter beside the base instead of changing the served weights. Each version
+is loaded into every engine under a new name (``/load_lora_adapter_from_tensors``), the job's alias moves to it,
+the version it left is unloaded once drained; clients and the job's own episodes name the alias
+(``<served>:<alias>``), every token is recorded with the adapter version that generated it, and the base model's
+answers and weight version never change. One server, CPU engines with LoRA on, the real sgl-router, Ray ranks.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests._jobs_helpers import AGENT, admin, cancel, engine_versions, job_events, running_stack, wait_job
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+ALIAS = "calc-lora"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with running_stack(tiny_model_path, tmp_path_factory.mktemp("lora-publish"), engines=2,
+                       engine={"enable_lora": True, "max_lora_rank": 16}, ray={"num_cpus": 4}) as running:
+        yield running
+
+
+def _engine_adapters(url: str) -> set[str]:
+    return {c["id"] for c in httpx.get(f"{url}/v1/models", timeout=10).json()["data"] if c.get("parent")}
+
+
+def _version_of(name: str) -> int:
+    m = re.fullmatch(rf"{ALIAS}@job-[0-9a-f]+\.v(\d+)", name)
+    assert m, name
+    return int(m.group(1))
+
+
+def test_a_lora_job_publishes_versions_beside_the_base(server: Any) -> None:
+    served = Path(server.deployment.model_path).name
+    client = OpenAI(base_url=server.base_url, api_key=AGENT, max_retries=0)
+
+    def greedy(model: str, **extra: Any) -> Any:
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+3?"}],
+                                              max_tokens=12, temperature=0.0, **extra)
+
+    base_before = greedy(served).choices[0].message.content
+    body = {"algorithm": "grpo", "optimizer": {"lr": 5e-3},
+            "lora": {"rank": 8, "alpha": 16, "name": ALIAS},
+            "data": {"source": "dataset", "environment": "calculator", "num_prompts": 8, "concurrency": 4,
+                     "max_tokens": 24},
+            "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": None, "poll_interval_s": 0.05,
+                     "checkpoint_interval": 100}}
+    with admin(server) as c:  # what the engines cannot serve is refused before anything starts
+        r = c.post("/jobs", json={**body, "lora": {"rank": 32, "name": ALIAS}})
+        assert r.status_code == 400 and "max_lora_rank 16" in r.json()["error"]["message"], r.text
+        j = c.post("/jobs", json=body).raise_for_status().json()
+
+    # a client streams from the alias while versions are published under it: every stream completes
+    def stream(i: int) -> str:
+        chunks = client.chat.completions.create(
+            model=f"{served}:{ALIAS}", messages=[{"role": "user", "content": f"Count from {i}."}], max_tokens=120,
+            temperature=1.0, stream=True, extra_body={"ignore_eos": True, "metadata": {"serve_only": "true"}})
+        return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+    wait_job(server, j["id"], lambda j: j["step"] >= 1)
+    with ThreadPoolExecutor(4) as pool:
+        streams = list(pool.map(stream, range(8)))
+    assert all(streams)
+    j = wait_job(server, j["id"], lambda j: j["step"] >= 4)
+
+    # the alias is listed with its parent, its versions are not
+    ids = [m.id for m in client.models.list().data]
+    assert f"{served}:{ALIAS}" in ids and not any("@" in i for i in ids), ids
+    adapters = server.gateway.server.config.app.state.gw.adapters.aliases
+    with admin(server) as c:  # no new versions while we look
+        c.post(f"/jobs/{j['id']}/pause").raise_for_status()
+    deadline = time.monotonic() + 60
+    while True:  # every engine holds the alias's current version only: each left version unloaded once drained
+        record = adapters.get(ALIAS)
+        held = [_engine_adapters(u) for u in server.deployment.engine_urls]
+        if all(h == {record.name} for h in held):
+            break
+        assert time.monotonic() < deadline, (record, held)
+        time.sleep(0.3)
+    assert record.version >= 4 and _version_of(record.name) == record.version and record.job_id == j["id"]
+
+    # the base never moved: its weight version and its greedy answer are what they were
+    assert engine_versions(server) == ["0", "0"]
+    assert greedy(served).choices[0].message.content == base_before
+
+    # every generated token is recorded with the version of the adapter that generated it; later episodes were
+    # generated by later versions
+    store = server.gateway.server.config.app.state.gw.store
+    versions_seen = set()
+    for t in store.list_trajectories(limit=10_000):
+        for turn in t.turns:
+            if turn.lora_adapter is None:
+                continue
+            v = _version_of(turn.lora_adapter)
+            got = {t.weight_versions[i] for i in range(turn.output_start, turn.output_end) if t.loss_mask[i]}
+            assert got <= {v}, (turn.lora_adapter, got)
+            versions_seen.add(v)
+    assert 0 in versions_seen and max(versions_seen) >= 2, versions_seen
+    with admin(server) as c:  # no episode of the job failed, however many versions came and went under it
+        rounds = [e["data"] for e in job_events(c, j["id"]) if e["kind"] == "episodes"]
+    assert rounds and sum(r["episodes"] for r in rounds) > 0 and sum(r["errors"] for r in rounds) == 0, rounds
+    assert cancel(server, j["id"])["status"] == "cancelled"
+
+    # the alias outlives its job: clients still reach its last version; an unknown adapter is a 404
+    assert greedy(f"{served}:{ALIAS}").choices[0].message.content
+    from openai import NotFoundError
+
+    with pytest.raises(NotFoundError) as err:
+        greedy(f"{served}:no-such-adapter")
+    assert err.value.body["code"] == "model_not_found"
