@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's PEFT directory, beside what the trainer resumes from
 # the projections of a Llama / Qwen layer an adapter can sit on (PEFT's names), and the module holding each
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HF_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",

@@ -18,6 +18,11 @@ def check_adapter_store(adapters: AdapterStore, reopened: AdapterStore) -> None:
     assert (second.name, second.version, second.previous) == (v1, 1, v0)
     assert second.created_at == first.created_at <= second.updated_at
     assert adapters.publish("mine", v1, 1, "job-1").previous is None  # the same version again: nothing left
+    assert second.saved_name is None
+    adapters.saved("mine", 1, "/ckpt/2/adapter")
+    adapters.saved("mine", 0, "/ckpt/1/adapter")  # an older version saved late changes nothing
+    got = reopened.get("mine")
+    assert (got.saved_version, got.saved_path, got.saved_name) == (1, "/ckpt/2/adapter", v1)
     adapters.publish("other", "other.v0", 0)
     assert [(r.alias, r.name, r.version) for r in reopened.list()] == [("mine", v1, 1), ("other", "other.v0", 0)]
     assert is_version_of(v1, "mine") and not is_version_of(v1, "min") and not is_version_of("other.v0", "mine")

@@ -18,17 +18,36 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests._jobs_helpers import AGENT, admin, cancel, engine_versions, job_events, running_stack, wait_job
+from tests._jobs_helpers import (
+    AGENT,
+    admin,
+    cancel,
+    engine_versions,
+    job_events,
+    running_stack,
+    start_stack,
+    wait_job,
+)
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 ALIAS = "calc-lora"
 
 
+STACK: dict[str, Any] = {"engines": 2, "engine": {"enable_lora": True, "max_lora_rank": 16}, "ray": {"num_cpus": 4}}
+STOPPED: list[bool] = []
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with running_stack(tiny_model_path, tmp_path_factory.mktemp("lora-publish"), engines=2,
-                       engine={"enable_lora": True, "max_lora_rank": 16}, ray={"num_cpus": 4}) as running:
-        yield running
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lora-publish")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: Path, work: Path) -> Iterator[Any]:
+    running = start_stack(tiny_model_path, work, **STACK)
+    yield running
+    if not STOPPED:  # the restart test stops it itself
+        running.stop()
 
 
 def _engine_adapters(url: str) -> set[str]:
@@ -112,10 +131,53 @@ def test_a_lora_job_publishes_versions_beside_the_base(server: Any) -> None:
     assert rounds and sum(r["episodes"] for r in rounds) > 0 and sum(r["errors"] for r in rounds) == 0, rounds
     assert cancel(server, j["id"])["status"] == "cancelled"
 
-    # the alias outlives its job: clients still reach its last version; an unknown adapter is a 404
-    assert greedy(f"{served}:{ALIAS}").choices[0].message.content
+    # the alias outlives its job: clients still reach the version it ended on, saved as a PEFT directory
+    ended = adapters.get(ALIAS)
+    assert ended.saved_version == ended.version and Path(ended.saved_path, "adapter_config.json").is_file()
+    LAST["answer"] = greedy(f"{served}:{ALIAS}").choices[0].message.content
+    LAST["record"] = ended
     from openai import NotFoundError
 
     with pytest.raises(NotFoundError) as err:
         greedy(f"{served}:no-such-adapter")
     assert err.value.body["code"] == "model_not_found"
+
+
+LAST: dict[str, Any] = {}
+
+
+def test_an_alias_comes_back_after_a_restart_and_a_delete_removes_it(server: Any, tiny_model_path: Path,
+                                                                      work: Path) -> None:
+    """The server stopped and started again on the same store: the alias answers as before from the version its
+    job ended on (loaded again from its directory); engines that lose it (a restart of theirs) get it loaded
+    again on the next request; deleting the alias unloads it everywhere and removes its saved versions."""
+    if not LAST:
+        pytest.skip("needs the job of the test before")
+    STOPPED.append(True)
+    server.stop()
+    with running_stack(tiny_model_path, work, **STACK) as again:
+        served = Path(again.deployment.model_path).name
+        client = OpenAI(base_url=again.base_url, api_key=AGENT, max_retries=0)
+
+        def answer() -> str | None:
+            return client.chat.completions.create(
+                model=f"{served}:{ALIAS}", messages=[{"role": "user", "content": "What is 2+3?"}], max_tokens=12,
+                temperature=0.0).choices[0].message.content
+
+        record = LAST["record"]
+        assert all(_engine_adapters(u) == {record.name} for u in again.deployment.engine_urls)
+        assert answer() == LAST["answer"]
+        for url in again.deployment.engine_urls:  # as an engine that restarted: it holds no adapter
+            httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": record.name}, timeout=60).raise_for_status()
+        assert answer() == LAST["answer"]
+        with admin(again) as c:
+            assert [a["alias"] for a in c.get("/admin/adapters").raise_for_status().json()["data"]] == [ALIAS]
+            gone = c.delete(f"/admin/adapters/{ALIAS}").raise_for_status().json()
+            assert gone["unloaded"] == [record.name] and gone["removed_dirs"] == [record.saved_path]
+            assert c.delete(f"/admin/adapters/{ALIAS}").status_code == 404
+        assert not Path(record.saved_path).exists()
+        assert all(_engine_adapters(u) == set() for u in again.deployment.engine_urls)
+        from openai import NotFoundError
+
+        with pytest.raises(NotFoundError):
+            answer()

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Response
 
 from slime_server.api import (
     dashboard,
+    routes_adapters,
     routes_admin,
     routes_anthropic,
     routes_jobs,
@@ -74,6 +75,7 @@ def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
     app.include_router(routes_sessions.router)
     app.include_router(routes_jobs.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_adapters.router)
     app.include_router(dashboard.router)  # /dashboard: static page (no auth) + admin JSON API
 
     @app.get("/health", include_in_schema=False)

@@ -21,7 +21,7 @@ from slime_server.buffer.migrations import migrated
 from slime_server.buffer.sql import Database, Tx
 from slime_server.buffer.sqlite_conn import SQLiteDatabase
 
-_COLUMNS = "alias, name, version, job_id, previous, created_at, updated_at"
+_COLUMNS = "alias, name, version, job_id, previous, saved_version, saved_path, created_at, updated_at"
 
 
 class PublishedAdapter(BaseModel):
@@ -30,6 +30,13 @@ class PublishedAdapter(BaseModel):
     version: int
     job_id: str | None = None
     previous: str | None = None  # the name the alias served before (being drained and unloaded)
+    saved_version: int | None = None  # the newest version saved as a PEFT directory, and where
+    saved_path: str | None = None
+
+    @property
+    def saved_name(self) -> str | None:
+        """The engines' name of the saved version (None: nothing saved)."""
+        return None if self.saved_version is None else versioned_name(self.alias, self.job_id, self.saved_version)
     created_at: float
     updated_at: float
 
@@ -57,7 +64,7 @@ class AdapterStore:
             t = time.time()
             row = tx.execute("SELECT name FROM lora_adapters WHERE alias = ?", (alias,)).fetchone()
             if row is None:
-                tx.execute(f"INSERT INTO lora_adapters ({_COLUMNS}) VALUES (?, ?, ?, ?, NULL, ?, ?)",
+                tx.execute(f"INSERT INTO lora_adapters ({_COLUMNS}) VALUES (?, ?, ?, ?, NULL, NULL, NULL, ?, ?)",
                            (alias, name, version, job_id, t, t))
             else:
                 previous = row["name"] if row["name"] != name else None
@@ -65,6 +72,12 @@ class AdapterStore:
                            "WHERE alias = ?", (name, version, job_id, previous, t, alias))
             return tx.execute(f"SELECT {_COLUMNS} FROM lora_adapters WHERE alias = ?", (alias,)).fetchone()
         return _record(self._db.write(run))
+
+    def saved(self, alias: str, version: int, path: str) -> None:
+        """Version ``version`` of ``alias`` is saved as a PEFT directory at ``path`` (kept if newer than the last)."""
+        self._db.write(lambda tx: tx.execute(
+            "UPDATE lora_adapters SET saved_version = ?, saved_path = ?, updated_at = ? WHERE alias = ? AND "
+            "(saved_version IS NULL OR saved_version <= ?)", (version, path, time.time(), alias, version)))
 
     def get(self, alias: str) -> PublishedAdapter | None:
         row = self._db.read(lambda tx: tx.execute(f"SELECT {_COLUMNS} FROM lora_adapters WHERE alias = ?",
@@ -94,4 +107,5 @@ class SQLiteAdapterStore(AdapterStore):
 
 def _record(row: Any) -> PublishedAdapter:
     return PublishedAdapter(alias=row["alias"], name=row["name"], version=int(row["version"]), job_id=row["job_id"],
-                            previous=row["previous"], created_at=row["created_at"], updated_at=row["updated_at"])
+                            previous=row["previous"], saved_version=row["saved_version"], saved_path=row["saved_path"],
+                            created_at=row["created_at"], updated_at=row["updated_at"])

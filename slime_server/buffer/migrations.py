@@ -126,11 +126,12 @@ MIGRATIONS: list[str] = [
         created_at {real} NOT NULL, revoked_at {real});
     """,
     # 7: published LoRA adapters: an alias clients name (``<served>:<alias>``) -> the versioned adapter the engines
-    # hold now (stock SGLang cannot replace a loaded adapter: each update is loaded under a new name).
+    # hold now (stock SGLang cannot replace a loaded adapter: each update is loaded under a new name), and the
+    # newest version saved as a PEFT directory (what a restarted engine or server loads again).
     """
     CREATE TABLE lora_adapters (
         alias TEXT PRIMARY KEY, name TEXT NOT NULL, version INTEGER NOT NULL, job_id TEXT, previous TEXT,
-        created_at {real} NOT NULL, updated_at {real} NOT NULL);
+        saved_version INTEGER, saved_path TEXT, created_at {real} NOT NULL, updated_at {real} NOT NULL);
     """,
 ]
 

@@ -87,10 +87,53 @@ class AdapterDirectory:
         try:
             await self.check(route.name, shown=requested)
         except APIError:
-            if not await self._moved(route):  # read the alias before the engines' list: it may have moved since
+            if await self._moved(route):  # read the alias before the engines' list: it may have moved since
+                await self.check(route.name, shown=requested)
+                return route
+            saved = await self._load_saved(record)  # the engines lost it (restarted): its saved version, loaded
+            if saved is None:
                 raise
-            await self.check(route.name, shown=requested)
+            await self.check(saved.name, shown=requested)
+            return saved
         return route
+
+    async def unload_versions(self, alias: str) -> list[str]:
+        """Unload every version of ``alias`` from every engine behind the router (each waits for its requests);
+        the names unloaded."""
+        gone: set[str] = set()
+        r = await self.engine.http.get("/workers", timeout=5)
+        for w in r.json().get("workers", []) if r.status_code == 200 else []:
+            url = w["url"].rstrip("/")
+            m = await self.engine.http.get(f"{url}/v1/models", timeout=5)
+            names = [c["id"] for c in m.json().get("data", []) if c.get("parent")] if m.status_code == 200 else []
+            for name in names:
+                if is_version_of(name, alias):
+                    await self.engine.http.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=600)
+                    gone.add(name)
+        self._at = -TTL_S
+        self._alias_cache.pop(alias, None)
+        return sorted(gone)
+
+    async def _load_saved(self, record: PublishedAdapter) -> AdapterRoute | None:
+        """Load the alias's newest saved version into every engine behind the router (SGLang's
+        ``/load_lora_adapter``; one that has it is fine) and route there; None when nothing is saved or a load
+        failed. The alias itself stays: its job (if it runs) publishes newer versions."""
+        if record.saved_path is None or record.saved_name is None:
+            return None
+        body = {"lora_name": record.saved_name, "lora_path": record.saved_path}
+        try:
+            r = await self.engine.http.get("/workers", timeout=5)
+            urls = [w["url"] for w in r.json().get("workers", [])] if r.status_code == 200 else []
+            for url in urls:
+                answer = await self.engine.http.post(f"{url.rstrip('/')}/load_lora_adapter", json=body, timeout=300)
+                if answer.status_code != 200 and "already loaded" not in answer.text:
+                    return None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if not urls:
+            return None
+        self._at = -TTL_S  # the engines' list changed
+        return AdapterRoute(record.alias, record.saved_name, record.saved_version)
 
     async def _moved(self, route: AdapterRoute) -> bool:
         """True when the alias of ``route`` points elsewhere now (``route`` updated to it)."""

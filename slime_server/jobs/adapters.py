@@ -10,6 +10,7 @@ adapter generated, version by version.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from slime_server.buffer.adapter_store import AdapterStore, versioned_name
@@ -45,7 +46,7 @@ def check_serving(spec: JobSpec, lora_enabled: bool, max_lora_rank: int | None) 
                        "invalid_value")
 
 
-def publication(spec: JobSpec, job_id: str, adapters: AdapterStore, engines: EngineControl
+def publication(spec: JobSpec, job_id: str, adapters: AdapterStore, engines: EngineControl, job_dir: Path
                 ) -> AdapterPublication | None:
     alias = alias_of(spec, job_id)
     if alias is None:
@@ -60,10 +61,28 @@ def publication(spec: JobSpec, job_id: str, adapters: AdapterStore, engines: Eng
             log.warning("unloading adapter %s: %s", name, errors)
 
     return AdapterPublication(alias=alias, versioned=lambda v: versioned_name(alias, job_id, v), publish=publish,
-                              unload=unload)
+                              unload=unload, saved=lambda version, path: adapters.saved(alias, version, path),
+                              save_dir=job_dir / "adapters")
 
 
 def runner_adapter(spec: JobSpec, job_id: str) -> dict[str, Any]:
     """``RunnerSettings`` fields that send the job's own episodes to its adapter."""
     alias = alias_of(spec, job_id)
     return {"adapter": alias} if alias else {}
+
+
+def restore_published(adapters: AdapterStore, active: set[str], engines: EngineControl) -> list[str]:
+    """At start: every alias whose job is not running again is served from its newest saved version (the versions
+    it was loaded under from tensors died with the engines); a running job publishes its own. Returns the
+    aliases restored."""
+    restored = []
+    for record in adapters.list():
+        if record.job_id in active or record.saved_path is None or record.saved_name is None:
+            continue
+        errors = engines.load_adapter(record.saved_name, record.saved_path)
+        if errors:
+            log.warning("adapter %s could not be loaded again from %s: %s", record.alias, record.saved_path, errors)
+            continue
+        adapters.publish(record.alias, record.saved_name, int(record.saved_version or 0), record.job_id)
+        restored.append(record.alias)
+    return restored

@@ -28,7 +28,13 @@ from slime_server.buffer.adapter_store import AdapterStore
 from slime_server.buffer.job_store import EventRow, JobRow, JobStore, MetricsRow
 from slime_server.buffer.store import TrajectoryStore
 from slime_server.job_logging import JobLog, WandbUnavailable, require_wandb
-from slime_server.jobs.adapters import alias_of, check_serving, publication, publishes_adapter
+from slime_server.jobs.adapters import (
+    alias_of,
+    check_serving,
+    publication,
+    publishes_adapter,
+    restore_published,
+)
 from slime_server.jobs.errors import JobError
 from slime_server.jobs.metrics import JOB_DROPPED, JOB_METRIC, JOB_STEP, JOB_VERSION
 from slime_server.jobs.runners import DatasetDriver, Evaluator
@@ -182,7 +188,14 @@ class JobManager:
     def restore(self) -> list[str]:
         """Start again every job that was active when the server stopped (from its last checkpoint)."""
         restored = []
-        for row in self.jobs.list_jobs():
+        rows = self.jobs.list_jobs()
+        if self.adapters is not None:  # first: a restored job's episodes may name another job's alias
+            engines = EngineControl(self.engine_urls, api_key=self.engine_api_key)
+            try:
+                restore_published(self.adapters, {r.id for r in rows if r.status in ACTIVE}, engines)
+            finally:
+                engines.close()
+        for row in rows:
             if row.status in ACTIVE:
                 self._event(row.id, "restored", {"status": row.status})
                 self._launch(row, restoring=True)
@@ -265,7 +278,7 @@ class JobManager:
                          supervised=spec.algorithm == "sft",
                          rejection=Rejection(**spec.rejection.model_dump()) if spec.rejection else None,
                          grammar_masker=GrammarMasker(self.model_path) if self.model_path else None,
-                         adapter=publication(spec, row.id, self.adapters, engines) if self.adapters else None)
+                         adapter=publication(spec, row.id, self.adapters, engines, job_dir) if self.adapters else None)
         if row.status == "paused":
             loop.paused.set()
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import BaseModel, Field
 
+from slime_server.lora_format import ADAPTER_DIR
 from slime_server.trainer.adapter_push import AdapterPusher
 from slime_server.trainer.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from slime_server.trainer.convert import iter_hf_tensors, load_hf_checkpoint_into
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from slime_server.trainer.convert import Staging
 
 log = logging.getLogger(__name__)
-ADAPTER_DIR = "adapter"  # a LoRA checkpoint's PEFT directory
 
 
 class RendezvousInfo(BaseModel):
@@ -413,6 +413,9 @@ class TrainerGroup:
         for r in self._all("unload_adapter", list(engine_urls), name):
             out.update(r)
         return out
+
+    def save_adapter(self, path: str, base_model: str | None = None) -> str:
+        return self._all("save_adapter", path, base_model)[0]
 
     def node_ids(self) -> list[str]:
         """The Ray node of every rank."""

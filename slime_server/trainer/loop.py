@@ -44,13 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
 from pydantic import BaseModel, Field
 
 from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
-from slime_server.rollout.engine_auth import auth_headers
-from slime_server.rollout.engine_info import engine_weight_version
+from slime_server.lora_format import ADAPTER_DIR
 from slime_server.trainer.advantages import (
     compute_advantages,
     opd_advantages,
@@ -58,11 +56,11 @@ from slime_server.trainer.advantages import (
 )
 from slime_server.trainer.checkpoint import checkpoint_dir
 from slime_server.trainer.critic import explained_variance
+from slime_server.trainer.engine_control import EngineControl
 from slime_server.trainer.grammar_masks import GrammarMasker, GrammarReplayError
 from slime_server.trainer.selection import Rejection, Selection, select, wait_reason
 from slime_server.trainer.settings import Checkpoint, LoopSettings, LoopState, OPDWeights
 from slime_server.trainer.types import TrainSample
-from slime_server.utils.net import engine_limits
 
 log = logging.getLogger(__name__)
 UNLOAD_AFTER_S = 3.0  # > the gateway's alias cache (gateway/adapters.ALIAS_TTL_S)
@@ -88,6 +86,8 @@ class Trainer(Protocol):
 
     def push_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, Any]: ...
 
+    def save_adapter(self, path: str) -> str: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -102,6 +102,8 @@ class AdapterPublication:
     versioned: Callable[[int], str]
     publish: Callable[[str, int], str | None]
     unload: Callable[[str], None]
+    saved: Callable[[int, str], None]  # (version, PEFT directory): what a restart loads again
+    save_dir: Path  # where the version a job ends on is saved (checkpoints hold theirs)
 
 
 class Batch(BaseModel):
@@ -151,46 +153,6 @@ def with_opd(samples: list[TrainSample], weights: OPDWeights | None) -> list[Tra
         return samples
     return [opd_advantages([s], w_rl=weights.w_rl, w_opd=weights.w_opd)[0] if s.teacher_logprobs is not None else s
             for s in samples]
-
-
-class EngineControl:
-    """The live engines as the loop sees them: their URLs (which may change) and pause/continue."""
-
-    def __init__(self, urls: Callable[[], list[str]], timeout: float = 60.0, api_key: str | None = None) -> None:
-        self.urls = urls
-        self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key), limits=engine_limits())
-
-    def _all(self, path: str, body: dict[str, Any] | None = None) -> None:
-        for url in self.urls():
-            self._client.post(f"{url}{path}", json=body or {}).raise_for_status()
-
-    def pause(self) -> None:
-        # in_place: running requests stay and finish after /continue_generation (never aborted)
-        self._all("/pause_generation", {"mode": "in_place"})
-
-    def versions(self) -> list[str | None]:
-        """Each engine's ``weight_version`` from SGLang's ``/model_info`` (None where it does not answer)."""
-        return [engine_weight_version(self._client, url) for url in self.urls()]
-
-    def resume(self) -> None:
-        self._all("/continue_generation")
-
-    def unload_adapter(self, name: str, timeout: float = 600.0) -> dict[str, str]:
-        """Unload a LoRA adapter from every engine (each waits for its requests to finish, hence the long timeout);
-        an engine without it (restarted) is fine. url -> error."""
-        errors: dict[str, str] = {}
-        for url in self.urls():
-            try:
-                r = self._client.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=timeout)
-            except httpx.HTTPError as e:
-                errors[url] = repr(e)
-                continue
-            if r.status_code != 200 and "does not exist" not in r.text:
-                errors[url] = r.text[:300]
-        return errors
-
-    def close(self) -> None:
-        self._client.close()
 
 
 class TrainLoop:
@@ -309,6 +271,8 @@ class TrainLoop:
         return _is_trainer_failure(e, alive if callable(alive) else None)
 
     def close(self) -> None:
+        if self.trainer is not None and self.adapter is not None and self.published.is_set():
+            self._save_adapter()
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None
@@ -509,6 +473,8 @@ class TrainLoop:
             self.state.checkpoints.append(ckpt)
             self.checkpoint_done.notify_all()
         self.on_event("checkpoint", ckpt.model_dump())
+        if self.adapter is not None:
+            self.adapter.saved(ckpt.version, str(Path(path) / ADAPTER_DIR))
         return ckpt
 
     def sync_engine(self, url: str) -> bool:
@@ -558,6 +524,18 @@ class TrainLoop:
                                             "seconds": stats.get("seconds"), "bytes": stats.get("bytes")})
         return stats
 
+
+    def _save_adapter(self) -> None:
+        """The version the job ends on, as a PEFT directory the engines can load again (after a restart, an
+        eviction): its alias outlives the job."""
+        assert self.trainer is not None and self.adapter is not None
+        path = self.adapter.save_dir / self.adapter.versioned(self.state.version)
+        try:
+            self.trainer.save_adapter(str(path))
+        except Exception as e:  # noqa: BLE001 - a dead rank: the last checkpoint's adapter stands
+            log.warning("could not save adapter version %s: %r", self.state.version, e)
+            return
+        self.adapter.saved(self.state.version, str(path))
 
     def _unload_later(self, name: str) -> None:
         """Unload a left version once every gateway has stopped routing new requests to it (their alias reads

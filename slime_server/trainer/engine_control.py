@@ -1,0 +1,66 @@
+"""The live engines as a job's loop sees them: their URLs (which may change), pause/continue for sync-mode steps,
+their weight versions, and (LoRA jobs publishing adapters) loading and unloading adapter versions, SGLang's routes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from slime_server.rollout.engine_auth import auth_headers
+from slime_server.rollout.engine_info import engine_weight_version
+from slime_server.utils.net import engine_limits
+
+
+class EngineControl:
+    """The live engines as the loop sees them: their URLs (which may change) and pause/continue."""
+
+    def __init__(self, urls: Callable[[], list[str]], timeout: float = 60.0, api_key: str | None = None) -> None:
+        self.urls = urls
+        self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key), limits=engine_limits())
+
+    def _all(self, path: str, body: dict[str, Any] | None = None) -> None:
+        for url in self.urls():
+            self._client.post(f"{url}{path}", json=body or {}).raise_for_status()
+
+    def pause(self) -> None:
+        # in_place: running requests stay and finish after /continue_generation (never aborted)
+        self._all("/pause_generation", {"mode": "in_place"})
+
+    def versions(self) -> list[str | None]:
+        """Each engine's ``weight_version`` from SGLang's ``/model_info`` (None where it does not answer)."""
+        return [engine_weight_version(self._client, url) for url in self.urls()]
+
+    def resume(self) -> None:
+        self._all("/continue_generation")
+
+    def load_adapter(self, name: str, path: str) -> dict[str, str]:
+        """Load a PEFT directory into every engine as ``name`` (one that has it already is fine); url -> error."""
+        errors: dict[str, str] = {}
+        for url in self.urls():
+            try:
+                r = self._client.post(f"{url}/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            except httpx.HTTPError as e:
+                errors[url] = repr(e)
+                continue
+            if r.status_code != 200 and "already loaded" not in r.text:
+                errors[url] = r.text[:300]
+        return errors
+
+    def unload_adapter(self, name: str, timeout: float = 600.0) -> dict[str, str]:
+        """Unload a LoRA adapter from every engine (each waits for its requests to finish, hence the long timeout);
+        an engine without it (restarted) is fine. url -> error."""
+        errors: dict[str, str] = {}
+        for url in self.urls():
+            try:
+                r = self._client.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=timeout)
+            except httpx.HTTPError as e:
+                errors[url] = repr(e)
+                continue
+            if r.status_code != 200 and "does not exist" not in r.text:
+                errors[url] = r.text[:300]
+        return errors
+
+    def close(self) -> None:
+        self._client.close()
