@@ -56,13 +56,15 @@ def run(job: dict[str, Any], rendezvous: Any, port_file: str | None) -> None:
         metrics.append(step_metrics)
         if i + 1 == job["save_at"]:
             rank.save_checkpoint(job["ckpt"])
-    weights = rank.hf_state_dict()
+    users = settings.lora.adapters if settings.lora is not None else 1
+    weights = rank.hf_state_dict() if users == 1 else {}  # several users' adapters have no one merged model
     adapter, base = {}, {}
-    if settings.lora is not None:  # a LoRA run: its adapter (PEFT names) and the base under it
+    if settings.lora is not None:  # a LoRA run: its adapter (PEFT names; "<user>/<name>" for several) and the base
         from slime_server.trainer.lora import adapters_disabled
         from slime_server.trainer.peft_io import peft_state_dict
 
-        adapter = peft_state_dict(rank.bundle.model)
+        adapter = peft_state_dict(rank.bundle.model) if users == 1 else {
+            f"{u}/{k}": v for u in range(users) for k, v in peft_state_dict(rank.bundle.model, u).items()}
         with adapters_disabled(rank.bundle.model):
             base = rank.hf_state_dict()
     pushes = []

@@ -51,6 +51,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     lora = settings.model_copy(update={"lora": LoRASettings(rank=4, alpha=8.0)})
     lora_kl = kl.model_copy(update={"lora": LoRASettings(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj",
                                                                                           "o_proj", "down_proj"])})
+    users = settings.model_copy(update={"lora": LoRASettings(rank=4, alpha=8.0, adapters=3)})
+    user_samples = [s.model_copy(update={"adapter": i % 3}) for i, s in enumerate(samples)]
     # name, world size, settings, extra keys of the run; grouped by world size, each group one set of rank processes
     runs: list[tuple[str, int, Any, dict[str, Any]]] = [
         ("tp1", 1, settings, {"save_at": 1, "ckpt": tmp / "ckpt-tp1"}),
@@ -71,6 +73,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("lora_kl_pp2", 2, lora_kl.model_copy(update={"pp_size": 2}), {}),
         ("lora_tp1_to_pp2", 2, lora.model_copy(update={"pp_size": 2}), {"steps": STEPS - 1, "load": tmp / "ckpt-lora-tp1"}),
         ("lora_kl_tp2pp2", 4, lora_kl.model_copy(update={"tp_size": 2, "pp_size": 2}), {}),
+        # several users' adapters in one step: each sample through its user's adapter, on every layout
+        ("users_tp1", 1, users, {"batch_samples": user_samples}),
+        ("users_tp2", 2, users.model_copy(update={"tp_size": 2}), {"batch_samples": user_samples}),
+        ("users_pp2", 2, users.model_copy(update={"pp_size": 2}), {"batch_samples": user_samples}),
     ]
     for world in (1, 2, 4):
         jobs = []
@@ -79,7 +85,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 continue
             run_dir = tmp / name
             run_dir.mkdir()
-            settings_path, batch_path = write_inputs(run_dir, run_settings, samples)
+            extra = dict(extra)
+            settings_path, batch_path = write_inputs(run_dir, run_settings, extra.pop("batch_samples", samples))
             jobs.append({"settings": settings_path, "batch": batch_path, "out": run_dir / "out.pt", "steps": STEPS,
                          **extra})
         run_plan(world, tmp, jobs)
@@ -220,6 +227,31 @@ def test_lora_trains_the_adapter_alone_on_every_layout(runs: dict[str, dict], na
         assert _series(run, key) == pytest.approx(_series(ref, key), abs=1e-5, rel=1e-5)
     _assert_close_tensors(run["adapter"], ref["adapter"])
     _assert_close_tensors(run["weights"], ref["weights"])
+
+
+@pytest.mark.parametrize("name", ["users_tp1", "users_tp2", "users_pp2"])
+def test_several_users_adapters_train_in_one_step_on_every_layout(runs: dict[str, dict], name: str) -> None:
+    """Issue 43: three users' adapters in one trainer, each sample through its user's: the base stays the HF
+    checkpoint, every user's adapter trained (and differently), and TP = 2 (the stacked A and B split as one
+    adapter's) and PP = 2 give TP = 1's loss, grad norm, log-probs and every user's adapter."""
+    from slime_server.trainer.convert import read_hf_state_dict
+
+    run, ref = runs[name], runs["users_tp1"]
+    original = read_hf_state_dict(runs["hf"])
+    assert run["base"].keys() == original.keys()
+    assert all(torch.equal(run["base"][k], original[k]) for k in original), "the base weights changed"
+    by_user = [{k.split("/", 1)[1]: t for k, t in run["adapter"].items() if k.startswith(f"{u}/")} for u in range(3)]
+    assert all(by_user) and by_user[0].keys() == by_user[1].keys() == by_user[2].keys()
+    for user in by_user:
+        assert all(float(t.abs().max()) > 0 for k, t in user.items() if ".lora_B." in k), "every user trained"
+    assert any(not torch.equal(by_user[0][k], by_user[1][k]) for k in by_user[0])
+    assert len(set(_series(run, "masked_logprob_sum"))) == STEPS
+    if run is ref:
+        return
+    assert _series(run, "loss") == pytest.approx(_series(ref, "loss"), abs=1e-5, rel=0)
+    assert _series(run, "masked_logprob_sum") == pytest.approx(_series(ref, "masked_logprob_sum"), abs=1e-3, rel=1e-6)
+    assert _series(run, "grad_norm") == pytest.approx(_series(ref, "grad_norm"), abs=1e-5, rel=1e-5)
+    _assert_close_tensors(run["adapter"], ref["adapter"])
 
 
 @pytest.mark.parametrize("name", ["lora_tp1_resumed", "lora_tp1_to_pp2"])

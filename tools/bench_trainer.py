@@ -23,6 +23,12 @@ weights (``lora.publish = 'merged'``: the bucketed weight push, engine paused) v
 ``/load_lora_adapter_from_tensors`` under a new name, nothing paused, the old name unloaded after), alternating, to
 one CPU engine started here with LoRA on: bytes and median wall time of each, and their ratios.
 
+``--users N``: instead, N users' LoRA adapters (rank ``--user-rank``) trained on ``--batch`` samples each: one step of a
+multi-adapter trainer over all N users' samples together (each sample through its own user's adapter, one shared
+base forward and backward) vs N steps of a one-adapter trainer, each with one user's adapter swapped in (its
+adapter and Adam moments copied in and out, as a trainer that serves users one at a time does); samples/s of each
+and their ratio.
+
 ``--algorithms``: instead, one step of the policy alone vs one PPO step with a KL reference and a critic
 (reference log-probs in the step, values, the critic's step) on the same batch, and the parameter memory
 of each model: the cost of ``loss.kl_coef`` and ``algorithm: ppo``.
@@ -165,6 +171,8 @@ def main() -> None:
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="a full step vs a LoRA step of this rank")
     ap.add_argument("--push", type=int, default=0, metavar="RANK", help="merged push vs adapter push of this rank")
     ap.add_argument("--pushes", type=int, default=5, help="--push: pushes of each kind")
+    ap.add_argument("--users", type=int, default=0, help="N users' adapters in one step vs one at a time")
+    ap.add_argument("--user-rank", type=int, default=16, help="--users: the adapters' rank")
     ap.add_argument("--group", type=int, default=8, help="--prefixes: samples per prompt")
     ap.add_argument("--system", type=int, default=150, help="--prefixes: tokens every prompt starts with")
     ap.add_argument("--prompt", type=int, default=40, help="--prefixes: more prompt tokens per group")
@@ -189,6 +197,11 @@ def main() -> None:
                           **bench_push(model_dir, args)}))
         return
     samples = make_samples(vocab, args.batch, args.seq_len, seed=0, pad_id=getattr(hf_config, "pad_token_id", None))
+    if args.users:
+        print(json.dumps({"model": model_dir, "users": args.users, "rank": args.user_rank, "per_user": args.batch,
+                          "seq_len": args.seq_len, "threads": args.threads,
+                          **bench_users(model_dir, args, vocab, getattr(hf_config, "pad_token_id", None))}))
+        return
     if args.lora:
         print(json.dumps({"model": model_dir, "batch": args.batch, "seq_len": args.seq_len, "threads": args.threads,
                           **bench_lora(model_dir, args, samples)}))
@@ -326,6 +339,59 @@ def bench_push(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
                                "seconds": [round(t, 4) for t in v]} for k, v in runs.items()}
     out["bytes_ratio"] = round(sent["adapter"] / sent["merged"], 4)
     out["time_ratio"] = round(out["adapter"]["median_s"] / out["merged"]["median_s"], 4)
+    return out
+
+
+def bench_users(model_dir: str, args: argparse.Namespace, vocab: int, pad_id: int | None) -> dict[str, Any]:
+    """samples/s: N users' adapters in one multi-adapter step vs N one-adapter steps, adapters swapped in."""
+    from slime_server.trainer.adapter_isolation import stacked_adapters
+    from slime_server.trainer.parallel import destroy_parallel
+    from slime_server.trainer.portable import _torch_optimizers
+    from slime_server.trainer.settings import LoRASettings, LossConfig
+
+    users = args.users
+    per_user = [make_samples(vocab, args.batch, args.seq_len, seed=u, pad_id=pad_id) for u in range(users)]
+    mixed = [s.model_copy(update={"adapter": u}) for u, batch in enumerate(per_user) for s in batch]
+    lora = LoRASettings(rank=args.user_rank, alpha=2 * args.user_rank)
+    loss = LossConfig(loss_type="grpo")
+    out: dict[str, Any] = {}
+
+    rank = one_rank(model_dir, args, loss, lora=lora.model_copy(update={"adapters": users}))
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        rank.train_step(mixed)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    out["together"] = {"step_s": round(statistics.median(times), 3), "samples_per_s": round(
+        len(mixed) / statistics.median(times), 3), "adapters": len(stacked_adapters(rank.bundle.model))}
+    destroy_parallel()
+
+    rank = one_rank(model_dir, args, loss, lora=lora)
+    params = [p for p in rank.bundle.model.parameters() if p.requires_grad]
+    opt = _torch_optimizers(rank.bundle)[0]
+
+    def state_of() -> list[torch.Tensor]:
+        return [p.data for p in params] + [t for p in params for t in opt.state.get(p, {}).values()
+                                           if isinstance(t, torch.Tensor) and t.shape == p.shape]
+
+    rank.train_step(per_user[0])  # the moments exist from here on
+    saved = [[t.clone() for t in state_of()] for _ in range(users)]
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        for u in range(users):  # swap user u's adapter and moments in, step on their samples, swap out
+            for t, mine in zip(state_of(), saved[u], strict=True):
+                t.copy_(mine)
+            rank.train_step(per_user[u])
+            for t, mine in zip(state_of(), saved[u], strict=True):
+                mine.copy_(t)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    out["one_at_a_time"] = {"round_s": round(statistics.median(times), 3), "samples_per_s": round(
+        len(mixed) / statistics.median(times), 3)}
+    destroy_parallel()
+    out["ratio"] = round(out["together"]["samples_per_s"] / out["one_at_a_time"]["samples_per_s"], 3)
     return out
 
 

@@ -242,12 +242,13 @@ class TrainerRank:
         self.step, self.policy_version = meta.step, meta.policy_version
         return {"step": self.step, "policy_version": self.policy_version}
 
-    def save_adapter(self, path: str, base_model: str | None = None) -> str:
-        """The LoRA adapter as a PEFT directory at ``path`` (collective; rank 0 writes)."""
+    def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str:
+        """The LoRA adapter (``adapter`` of a multi-adapter trainer) as a PEFT directory at ``path`` (collective;
+        rank 0 writes)."""
         if self.settings.lora is None:
             raise RuntimeError("this trainer has no LoRA adapter (TrainerRankSettings.lora)")
         return str(save_peft_adapter(path, self._ready().model, self.settings.lora,
-                                     base_model or self.settings.hf_path))
+                                     base_model or self.settings.hf_path, adapter))
 
     def named_hf_tensors(self, staging: Staging | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (TP shards all-gathered; with PP > 1 the later stages' streamed to the first)
@@ -280,13 +281,13 @@ class TrainerRank:
             staging = self._staging
         return self._pusher.push(self.named_hf_tensors(staging), version=version).model_dump()
 
-    def push_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, Any]:
-        """Load this job's LoRA adapter into ``engine_urls`` under the new name ``name`` (trainer/adapter_push.py;
-        collective: every rank joins the gathers, only the sender rank sends)."""
+    def push_adapter(self, engine_urls: Sequence[str], name: str, adapter: int | None = None) -> dict[str, Any]:
+        """Load this job's LoRA adapter (``adapter`` of a multi-adapter trainer) into ``engine_urls`` under the new
+        name ``name`` (trainer/adapter_push.py; collective: every rank joins the gathers, only the sender sends)."""
         lora = self.settings.lora
         if lora is None:
             raise RuntimeError("this trainer has no LoRA adapter to push (TrainerRankSettings.lora)")
-        tensors = peft_state_dict(self._ready().model)
+        tensors = peft_state_dict(self._ready().model, adapter)
         if not is_push_sender():
             return {"version": name, "sent": False, "tensors": len(tensors)}
         return self._adapter_pusher(engine_urls).push(name, adapter_config(lora, self.settings.hf_path),
@@ -405,8 +406,8 @@ class TrainerGroup:
         """The sender rank's push stats (raises the sender's ``WeightPushError``)."""
         return next(r for r in self._all("push_weights", list(engine_urls), version, bucket_bytes) if r["sent"])
 
-    def push_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, Any]:
-        return next(r for r in self._all("push_adapter", list(engine_urls), name) if r["sent"])
+    def push_adapter(self, engine_urls: Sequence[str], name: str, adapter: int | None = None) -> dict[str, Any]:
+        return next(r for r in self._all("push_adapter", list(engine_urls), name, adapter) if r["sent"])
 
     def unload_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -414,8 +415,8 @@ class TrainerGroup:
             out.update(r)
         return out
 
-    def save_adapter(self, path: str, base_model: str | None = None) -> str:
-        return self._all("save_adapter", path, base_model)[0]
+    def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str:
+        return self._all("save_adapter", path, base_model, adapter)[0]
 
     def node_ids(self) -> list[str]:
         """The Ray node of every rank."""

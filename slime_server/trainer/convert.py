@@ -333,6 +333,9 @@ def _adapter_delta(inner: nn.Module, linear: str, offset: int) -> torch.Tensor:
     """The full ``scaling * B A`` of the adapters on ``linear`` (a local module path), TP shards gathered (collective
     of the TP group), in the base weight's layout: what merging the adapter adds to that weight."""
     branch = inner.get_submodule(linear).lora
+    if branch.stacked:
+        raise ValueError("a multi-adapter trainer has no one merged model: publish each adapter (lora.publish "
+                         "'adapter')")
     pairs = {}
     for part, pair in branch.pairs.items():
         full_ab = []

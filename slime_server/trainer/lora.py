@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from slime_server.lora_format import projection_shapes
+from slime_server.trainer import adapter_rows
 from slime_server.trainer.model import ModelArch, unwrap
 from slime_server.trainer.settings import LoRASettings
 
@@ -54,15 +55,16 @@ def is_adapter_name(name: str) -> bool:
 
 def adapter_partition_dim(name: str) -> int | None:
     """The dimension an adapter parameter is split along over TP ranks (None: replicated): B's rows on a
-    column-parallel layer, A's columns on a row-parallel one."""
+    column-parallel layer, A's columns on a row-parallel one; counted from the end, so a multi-adapter trainer's
+    stacked [adapters, ...] parameters split the same way."""
     linear, _, rest = name.partition(ADAPTER_TAG)
     kind = next((k for suffix, (k, _) in LINEARS.items() if linear.endswith(suffix)), None)
     if kind is None:
         raise KeyError(f"{name!r} is not an adapter parameter")
     matrix = rest.rsplit(".", 1)[-1]
     if kind == "column":
-        return 0 if matrix == "lora_B" else None
-    return 1 if matrix == "lora_A" else None
+        return -2 if matrix == "lora_B" else None
+    return -1 if matrix == "lora_A" else None
 
 
 def part_sizes(arch: ModelArch, linear: str) -> dict[str, tuple[int, int]]:
@@ -89,7 +91,7 @@ def initial_a(seed: int, layer: int, part: str, rank: int, fan_in: int) -> torch
 
 class LoRAPair(nn.Module):
     """One projection's adapter: ``lora_A`` [rank, in / tp on row layers], ``lora_B`` [out / tp on column layers,
-    rank]."""
+    rank]; in a multi-adapter trainer both stacked, [adapters, ...], one row per adapter."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
         super().__init__()
@@ -112,6 +114,7 @@ class LoRABranch(nn.Module):
         self.scaling = settings.scaling
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self.enabled = True
+        self.stacked = settings.adapters > 1  # a multi-adapter trainer: each row through its own adapter
 
     @property
     def pairs(self) -> dict[str, LoRAPair]:
@@ -126,18 +129,61 @@ class LoRABranch(nn.Module):
         )
 
         pairs = self.pairs
+        inverse = None
+        if self.stacked:  # rows sorted by adapter here, put back in order at the end
+            down, up, order, inverse = self._by_adapter(x)
+            x = x.index_select(0, order)
+        else:
+            down, up = self._down, self._up
         if self.kind == "row":
             with get_cuda_rng_tracker().fork():  # the ranks hold different input columns: their own masks
-                h = torch.cat([self.dropout(x) @ p.lora_A.t() for p in pairs.values()], dim=-1)
+                h = down(x)
             h = reduce_from_tensor_model_parallel_region(h)
         else:
-            h = copy_to_tensor_model_parallel_region(
-                torch.cat([self.dropout(x) @ p.lora_A.t() for p in pairs.values()], dim=-1))
-        ranks = [p.lora_A.shape[0] for p in pairs.values()]
-        outs = {n: hp @ p.lora_B.t() for hp, (n, p) in zip(h.split(ranks, dim=-1), pairs.items(), strict=True)}
+            h = copy_to_tensor_model_parallel_region(down(x))
+        ranks = [p.lora_A.shape[-2] for p in pairs.values()]
+        outs = {n: up(hp, p) for hp, (n, p) in zip(h.split(ranks, dim=-1), pairs.items(), strict=True)}
         full = [outs.get(n) if n in outs else x.new_zeros(*x.shape[:-1], size) for n, size in self.out_local.items()]
         joined = interleave_groups(full, self.groups_local, -1) if self.groups_local else torch.cat(full, dim=-1)
-        return joined * self.scaling
+        joined = joined * self.scaling
+        return joined if inverse is None else joined.index_select(0, inverse)
+
+
+    def _down(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.dropout(x) @ p.lora_A.t() for p in self.pairs.values()], dim=-1)
+
+    @staticmethod
+    def _up(h: torch.Tensor, pair: LoRAPair) -> torch.Tensor:
+        return h @ pair.lora_B.t()
+
+    def _by_adapter(self, x: torch.Tensor) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
+        """``down`` and ``up`` of a multi-adapter branch over rows sorted by adapter (``adapter_rows``; rows are
+        Megatron's leading, sequence dimension), so each adapter's rows are one block through its own A and B:
+        one pair of matmuls per adapter present, the input sorted once and the output put back once."""
+        rows = adapter_rows.current()
+        n = x.shape[0]
+        if rows is None:
+            rows = torch.zeros(n, dtype=torch.long, device=x.device)
+        if rows.numel() != n:
+            raise ValueError(f"{rows.numel()} adapter rows for a forward of {n} rows")
+        rows, order = rows.sort(stable=True)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(n, device=order.device)
+        present, counts = torch.unique_consecutive(rows, return_counts=True)
+        blocks = list(zip(present.tolist(), counts.tolist(), strict=True))
+        pairs = list(self.pairs.values())
+
+        def per_block(t: torch.Tensor, piece: Any) -> torch.Tensor:
+            return torch.cat([piece(a, part) for (a, _), part in zip(blocks, t.split([c for _, c in blocks]),
+                                                                     strict=True)])
+
+        def down(xs: torch.Tensor) -> torch.Tensor:
+            return per_block(xs, lambda a, part: torch.cat([self.dropout(part) @ p.lora_A[a].t() for p in pairs], -1))
+
+        def up(h: torch.Tensor, pair: LoRAPair) -> torch.Tensor:
+            return per_block(h, lambda a, part: part @ pair.lora_B[a].t())
+
+        return down, up, order, inverse
 
 
 def _add_delta(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
@@ -187,16 +233,20 @@ def attach_lora(model: nn.Module, settings: LoRASettings, seed: int = 0) -> Atta
             pairs = {}
             for part in chosen:
                 out, fan_in = sizes[part]
-                a = initial_a(seed, index, part, settings.rank, fan_in)
-                b = torch.zeros(out, settings.rank)
+                # one adapter, or a stack of them (each its own start: seeds apart, the same on every layout)
+                starts = [initial_a(seed + 7919 * k, index, part, settings.rank, fan_in)
+                          for k in range(settings.adapters)]
+                a = starts[0] if settings.adapters == 1 else torch.stack(starts)
+                b = torch.zeros(*a.shape[:-2], out, settings.rank)
                 if kind == "column":
-                    b = b.chunk(tp, dim=0)[tp_rank]
+                    b = b.chunk(tp, dim=-2)[tp_rank]
                 else:
-                    a = a.chunk(tp, dim=1)[tp_rank]
+                    a = a.chunk(tp, dim=-1)[tp_rank]
                 pair = LoRAPair(a.to(weight.device, weight.dtype).contiguous(),
                                 b.to(weight.device, weight.dtype).contiguous())
-                set_tensor_model_parallel_attributes(pair.lora_A, kind == "row", 1 if kind == "row" else 0, 1)
-                set_tensor_model_parallel_attributes(pair.lora_B, kind == "column", 0, 1)
+                lead = a.dim() - 2
+                set_tensor_model_parallel_attributes(pair.lora_A, kind == "row", lead + (1 if kind == "row" else 0), 1)
+                set_tensor_model_parallel_attributes(pair.lora_B, kind == "column", lead, 1)
                 pairs[part] = pair
                 count += pair.lora_A.numel() + pair.lora_B.numel()
             out_local = {p: sizes[p][0] // (tp if kind == "column" else 1) for p in projections}

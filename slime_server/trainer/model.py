@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slime_server.trainer.adapter_rows import rows_through
 from slime_server.trainer.megatron_cpu import apply_cpu_patches, cuda_available
 
 if TYPE_CHECKING:
@@ -297,5 +298,7 @@ def forward_micro_batch(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     when it has one (callers ``mb.expand`` the rows into the samples' layout), else its packed row."""
     device = next(model.parameters()).device
     tokens, position_ids, mask = mb.model_inputs()
-    return forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
-                          None if mask is None else mask.to(device), gather=False)
+    rows = None if mb.adapter_rows is None else mb.adapter_rows.to(device)
+    with rows_through(rows):  # a multi-adapter LoRA trainer: each row through its sample's adapter
+        return forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
+                              None if mask is None else mask.to(device), gather=False)

@@ -23,6 +23,8 @@ from slime_server.trainer.prefix_tree import PrefixTree, build_tree, partition_s
 from slime_server.trainer.settings import Aggregation
 from slime_server.trainer.types import TrainSample
 
+_KEY_BITS = 32  # a token id fits: (adapter << 32) | token keys the prefix trie by adapter
+
 
 @dataclass
 class MicroBatch:
@@ -42,6 +44,8 @@ class MicroBatch:
     # tokens sampled under a grammar: their rows in the packed row and their bitmasks (trainer/grammar_masks.py)
     grammar_rows: torch.Tensor | None = None  # long [K]
     grammar_bitmask: bytes | None = None  # K rows of int32 words
+    # a multi-adapter LoRA trainer: the adapter of each forward row (long [R]; None: every row adapter 0)
+    adapter_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +124,8 @@ def _pack(samples: Sequence[TrainSample], idx: list[int], weights: dict[Aggregat
         advantages=torch.tensor([a for s in picked for a in (s.advantages or [0.0] * len(s.tokens))],
                                 dtype=torch.float32),
         token_weights={agg: torch.cat([w[i] for i in idx]).to(torch.float32) for agg, w in weights.items()},
+        adapter_rows=torch.tensor([s.adapter for s in picked for _ in s.tokens], dtype=torch.long)
+        if any(s.adapter for s in picked) else None,
         **_grammar(picked, lens),
     )
 
@@ -166,11 +172,18 @@ def pack_samples(
         raise ValueError("subset must hold distinct indices into samples")
     weights = global_token_weights(samples)
     if share_prefixes and len({samples[i].tokens[0] for i in chosen}) < len(chosen):
-        groups = partition_sharing([samples[i].tokens for i in chosen], max_tokens_per_micro_batch)
+        # a prefix is shared only under one adapter (its hidden states differ under another): the trie is built
+        # over (adapter, token) keys, and each row's adapter read back from its key
+        keyed = {i: [samples[i].adapter << _KEY_BITS | t for t in samples[i].tokens] for i in chosen}
+        groups = partition_sharing([keyed[i] for i in chosen], max_tokens_per_micro_batch)
         mbs = [_pack(samples, [chosen[j] for j in g], weights) for g in groups]
         for mb in mbs:
-            tree = build_tree([samples[i].tokens for i in mb.sample_indices])
-            mb.tree = tree if tree.num_rows < mb.num_tokens else None
+            tree = build_tree([keyed[i] for i in mb.sample_indices])
+            if tree.num_rows < mb.num_tokens:
+                keys = tree.tokens
+                tree.tokens = keys & ((1 << _KEY_BITS) - 1)
+                mb.tree = tree
+                mb.adapter_rows = keys >> _KEY_BITS if mb.adapter_rows is not None else None
         return mbs
     groups = partition_by_tokens([len(samples[i].tokens) for i in chosen], max_tokens_per_micro_batch)
     return [_pack(samples, [chosen[j] for j in g], weights) for g in groups]

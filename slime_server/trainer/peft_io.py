@@ -55,9 +55,15 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return gather_stages(local)
 
 
-def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter under PEFT's names (collective)."""
-    return {peft_name(k): v.contiguous() for k, v in sorted(adapter_state(model).items())}
+def peft_state_dict(model: nn.Module, adapter: int | None = None) -> dict[str, torch.Tensor]:
+    """The adapter under PEFT's names (collective); in a multi-adapter trainer, adapter ``adapter``'s."""
+    state = adapter_state(model)
+    stacked = any(v.dim() == 3 for v in state.values())
+    if stacked and adapter is None:
+        raise ValueError("this trainer holds several adapters: say which one")
+    if not stacked and adapter not in (None, 0):
+        raise ValueError(f"this trainer holds one adapter, not adapter {adapter}")
+    return {peft_name(k): (v[adapter] if stacked else v).contiguous() for k, v in sorted(state.items())}
 
 
 def adapter_config(settings: LoRASettings, base_model: str) -> dict[str, Any]:
@@ -72,12 +78,14 @@ def adapter_config(settings: LoRASettings, base_model: str) -> dict[str, Any]:
     }
 
 
-def save_peft_adapter(directory: str | Path, model: nn.Module, settings: LoRASettings, base_model: str) -> Path:
-    """Write the adapter as a PEFT directory (collective; global rank 0 writes). Returns ``directory``."""
+def save_peft_adapter(directory: str | Path, model: nn.Module, settings: LoRASettings, base_model: str,
+                      adapter: int | None = None) -> Path:
+    """Write the adapter (``adapter`` of a multi-adapter trainer) as a PEFT directory (collective; global rank 0
+    writes). Returns ``directory``."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    tensors = peft_state_dict(model)
+    tensors = peft_state_dict(model, adapter)
     out = Path(directory)
     if not dist.is_initialized() or dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)

@@ -103,9 +103,14 @@ class LoRASettings(BaseModel):
         "else untouched; 'merged' pushes base + adapter as the served weights, for every client")
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="publish 'adapter': "
                              "the alias clients name as '<served>:<name>' (default: the job's id)")
+    adapters: int = Field(1, ge=1, le=256, description="adapters trained side by side over the one frozen base, "
+                          "each sample through its own (one per user); a step trains the adapters its samples name, "
+                          "in one forward and backward over the shared base")
 
     @model_validator(mode="after")
     def _check(self) -> LoRASettings:
+        if self.adapters > 1 and self.publish == "merged":
+            raise ValueError("lora.publish 'merged' serves one policy: it cannot go with lora.adapters > 1")
         if self.target_modules != "all-linear":
             unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
             if unknown or not self.target_modules:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, Field
 from torch import nn
 
+from slime_server.trainer.adapter_isolation import only_adapters
 from slime_server.trainer.grammar_masks import allowed_columns
 from slime_server.trainer.losses import policy_loss
 from slime_server.trainer.model import forward_micro_batch, unwrap
@@ -291,6 +292,7 @@ def train_step(
     """
     zero_grads(bundle)
     metrics = forward_backward(bundle, samples, settings, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
-    result = optimizer_step(bundle)
+    with only_adapters(bundle, {s.adapter for s in samples}):  # a multi-adapter trainer: the others stay put
+        result = optimizer_step(bundle)
     metrics.update(grad_norm=result.grad_norm, lr=result.lr, step_skipped=float(not result.updated))
     return metrics

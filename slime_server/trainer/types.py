@@ -29,6 +29,8 @@ class TrainSample(BaseModel):
                                                 "grammar_masks.py): their log-probs are computed under its mask")
     grammar_bitmask: bytes | None = Field(None, description="xgrammar bitmasks, one row of int32 words per "
                                           "grammar position (bit v % 32 of word v // 32: token v allowed)")
+    adapter: int = Field(0, ge=0, description="which adapter of a multi-adapter LoRA trainer this sample goes "
+                         "through and trains (one per user); 0 in a one-adapter or full trainer")
 
     @model_validator(mode="after")
     def _aligned(self) -> TrainSample:

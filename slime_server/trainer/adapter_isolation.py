@@ -1,0 +1,69 @@
+"""A multi-adapter LoRA trainer's step changes only the adapters its samples go through.
+
+Why this is needed: Megatron's optimizer steps every parameter it holds, and a stacked adapter parameter
+([adapters, ...]) is one parameter for all of them. An adapter with no sample in the batch gets a zero gradient,
+but Adam would still move it (its momentum, weight decay): one user's steps would change another user's adapter.
+So the rows of the adapters not in the step, of the parameters, of the optimizer's own copies (fp32 main
+parameters where the model is bf16) and of their Adam moments, are put back as they were after the step. What
+stays shared is Adam's step count (one per parameter): an adapter that joins late gets the bias correction of
+the job's step, not of its own first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from slime_server.trainer.lora import is_adapter_name
+from slime_server.trainer.model import unwrap
+
+
+def stacked_adapters(model: nn.Module) -> list[nn.Parameter]:
+    """The stacked ([adapters, ...]) adapter parameters of a multi-adapter trainer (none in a one-adapter one)."""
+    return [p for name, p in unwrap(model).named_parameters() if is_adapter_name(name) and p.dim() == 3]
+
+
+def _optimizer_copies(optimizer: Any) -> tuple[dict[int, torch.Tensor], dict[int, Any]]:
+    """id(model parameter) -> the tensor the optimizer steps for it; id(that tensor) -> its torch optimizer."""
+    copies: dict[int, torch.Tensor] = {}
+    owner: dict[int, Any] = {}
+    for c in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = c.optimizer
+        for g16, g32 in zip(getattr(c, "float16_groups", []), getattr(c, "fp32_from_float16_groups", []),
+                            strict=True):
+            for p, main in zip(g16, g32, strict=True):
+                copies[id(p)] = main
+        for group in inner.param_groups:
+            for p in group["params"]:
+                copies.setdefault(id(p), p)
+                owner[id(p)] = inner
+    return copies, owner
+
+
+@contextmanager
+def only_adapters(bundle: Any, used: set[int]) -> Iterator[None]:
+    """Around an optimizer step: every adapter not in ``used`` comes out of it exactly as it went in."""
+    params = stacked_adapters(bundle.model)
+    count = params[0].shape[0] if params else 0
+    keep = [a for a in range(count) if a not in used]
+    if not keep:
+        yield
+        return
+    copies, owner = _optimizer_copies(bundle.optimizer)
+    tensors: list[torch.Tensor] = []
+    for p in params:
+        main = copies.get(id(p), p)
+        tensors += [p] if main is p else [p, main]
+        opt = owner.get(id(main))
+        state = opt.state.get(main, {}) if opt is not None else {}
+        tensors += [t for t in state.values() if isinstance(t, torch.Tensor) and t.shape == main.shape]
+    index = torch.tensor(keep, dtype=torch.long, device=params[0].device)
+    saved = [(t, t.detach().index_select(0, index).clone()) for t in tensors]
+    yield
+    with torch.no_grad():
+        for t, rows in saved:
+            t.index_copy_(0, index, rows)

@@ -1,0 +1,125 @@
+"""Several users' adapters in one trainer step (issue 43): a multi-adapter LoRA trainer holds one adapter per user
+over the one frozen base; each sample of a micro-batch goes through its own user's adapter in the shared forward
+and backward, instead of one adapter swapped in at a time.
+
+Checked against the one-adapter trainer, which tests/test_lora.py checks against PEFT: each user's log-probs and
+gradients in a mixed batch equal a one-adapter model holding that user's adapter alone; a prefix is shared only
+under one adapter; a step changes only the adapters its samples name (parameters and Adam moments, bit for bit).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from slime_server.trainer.adapter_isolation import stacked_adapters
+from slime_server.trainer.convert import load_hf_checkpoint_into
+from slime_server.trainer.lora import attach_lora
+from slime_server.trainer.model import build_gpt_model, unwrap
+from slime_server.trainer.optimizer import build_optimizer
+from slime_server.trainer.packing import pack_samples
+from slime_server.trainer.parallel import parallel_context
+from slime_server.trainer.peft_io import load_adapter_state, megatron_name, peft_state_dict
+from slime_server.trainer.portable import _torch_optimizers
+from slime_server.trainer.settings import LoRASettings, LossConfig, OptimizerSettings
+from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, forward_backward, train_step
+from tests._megatron_helpers import make_config, save_random_hf_model
+from tests._trainer_helpers import make_batch
+
+USERS = 3
+LORA = LoRASettings(rank=4, alpha=8.0, target_modules="all-linear", adapters=USERS)
+ONE = LORA.model_copy(update={"adapters": 1})
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("lora-multi") / "llama"
+    save_random_hf_model(make_config("llama", num_key_value_heads=2, tie_word_embeddings=True), path, seed=5)
+    return path
+
+
+def _model(path: Path, lora: LoRASettings) -> Any:
+    from transformers import AutoConfig
+
+    model = build_gpt_model(AutoConfig.from_pretrained(str(path)))
+    load_hf_checkpoint_into(model, path)
+    attach_lora(model, lora, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a fresh B is zero: random ones, each adapter its own, so a mixed-up row shows
+        for name, p in unwrap(model).named_parameters():
+            if name.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def _users(samples: list[Any]) -> list[Any]:
+    return [s.model_copy(update={"adapter": i % USERS}) for i, s in enumerate(samples)]
+
+
+def _alone(path: Path, stacked: Any, user: int) -> Any:
+    """A one-adapter model holding ``user``'s adapter of ``stacked``."""
+    single = _model(path, ONE)
+    load_adapter_state(single, {megatron_name(k): v for k, v in peft_state_dict(stacked, user).items()})
+    return single
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_each_user_in_a_mixed_batch_is_computed_as_alone(model_path: Path, share: bool) -> None:
+    torch.set_num_threads(2)
+    samples = _users(make_batch(vocab_size=101, n=9, seed=2, shared=share))
+    step = TrainStepSettings(max_tokens_per_micro_batch=96, share_prefixes=share, loss=LossConfig(loss_type="grpo"))
+    with parallel_context(tp_size=1):
+        bundle = build_optimizer(_model(model_path, LORA), OptimizerSettings(lr=1e-3))
+        mixed = compute_logprobs(bundle.model, samples)
+        forward_backward(bundle, samples, step)
+        grads = {n: p.main_grad.clone() for n, p in unwrap(bundle.model).named_parameters() if p.requires_grad}
+        for user in range(USERS):
+            alone = build_optimizer(_alone(model_path, bundle.model, user), OptimizerSettings(lr=1e-3))
+            mine = [i for i, s in enumerate(samples) if s.adapter == user]
+            for i, lp in zip(mine, compute_logprobs(alone.model, [samples[i] for i in mine]), strict=True):
+                torch.testing.assert_close(mixed[i], lp, atol=1e-5, rtol=0)
+            # the same batch, the other users' samples weighing nothing (advantage 0): their loss normaliser kept
+            silent = [s if s.adapter == user else s.model_copy(update={"advantages": [0.0] * len(s.tokens)})
+                      for s in samples]
+            forward_backward(alone, [s.model_copy(update={"adapter": 0}) for s in silent], step)
+            for name, p in unwrap(alone.model).named_parameters():
+                if p.requires_grad:
+                    torch.testing.assert_close(grads[name][user], p.main_grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert all(float(g[u].abs().max()) > 0 for g in grads.values() for u in range(USERS))
+
+
+def test_a_prefix_is_shared_only_under_one_adapter() -> None:
+    """Two samples with the same tokens share their rows under one adapter, not under two."""
+    same = make_batch(vocab_size=101, n=1, seed=1)[0]
+    for adapters, shared in (((1, 1), True), ((1, 2), False)):
+        pair = [same.model_copy(update={"adapter": a}) for a in adapters]
+        (mb,) = pack_samples(pair, 1000, share_prefixes=True)
+        assert (mb.tree is not None) == shared
+        if mb.tree is not None:
+            assert mb.tree.tokens.tolist() == same.tokens and mb.adapter_rows.tolist() == [1] * len(same.tokens)
+
+
+def test_a_step_changes_only_the_adapters_it_trains(model_path: Path) -> None:
+    """Adam and weight decay move nothing of a user absent from the step: parameters and moments bit for bit."""
+    samples = _users(make_batch(vocab_size=101, n=6, seed=4))
+    step = TrainStepSettings(max_tokens_per_micro_batch=96, share_prefixes=False, loss=LossConfig(loss_type="grpo"))
+
+    def snapshot(bundle: Any, user: int) -> list[torch.Tensor]:
+        params = stacked_adapters(bundle.model)
+        states = [t for opt in _torch_optimizers(bundle) for p in params for t in opt.state.get(p, {}).values()
+                  if isinstance(t, torch.Tensor) and t.shape == p.shape]
+        return [t[user].clone() for t in params + states]
+
+    with parallel_context(tp_size=1):
+        bundle = build_optimizer(_model(model_path, LORA), OptimizerSettings(lr=1e-2, weight_decay=0.1))
+        train_step(bundle, samples, step)  # every user once: each has Adam moments now
+        before = {u: snapshot(bundle, u) for u in range(USERS)}
+        train_step(bundle, [s for s in samples if s.adapter != 1], step)
+        after = {u: snapshot(bundle, u) for u in range(USERS)}
+    assert len(before[1]) == 3 * len(stacked_adapters(bundle.model))  # parameter, exp_avg, exp_avg_sq
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
+    for u in (0, 2):
+        assert not torch.equal(before[u][0], after[u][0])
