@@ -129,12 +129,7 @@ class LoRABranch(nn.Module):
         )
 
         pairs = self.pairs
-        inverse = None
-        if self.stacked:  # rows sorted by adapter here, put back in order at the end
-            down, up, order, inverse = self._by_adapter(x)
-            x = x.index_select(0, order)
-        else:
-            down, up = self._down, self._up
+        down, up = self._by_adapter(x) if self.stacked else (self._down, self._up)
         if self.kind == "row":
             with get_cuda_rng_tracker().fork():  # the ranks hold different input columns: their own masks
                 h = down(x)
@@ -145,9 +140,7 @@ class LoRABranch(nn.Module):
         outs = {n: up(hp, p) for hp, (n, p) in zip(h.split(ranks, dim=-1), pairs.items(), strict=True)}
         full = [outs.get(n) if n in outs else x.new_zeros(*x.shape[:-1], size) for n, size in self.out_local.items()]
         joined = interleave_groups(full, self.groups_local, -1) if self.groups_local else torch.cat(full, dim=-1)
-        joined = joined * self.scaling
-        return joined if inverse is None else joined.index_select(0, inverse)
-
+        return joined * self.scaling
 
     def _down(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.dropout(x) @ p.lora_A.t() for p in self.pairs.values()], dim=-1)
@@ -156,24 +149,25 @@ class LoRABranch(nn.Module):
     def _up(h: torch.Tensor, pair: LoRAPair) -> torch.Tensor:
         return h @ pair.lora_B.t()
 
-    def _by_adapter(self, x: torch.Tensor) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
-        """``down`` and ``up`` of a multi-adapter branch over rows sorted by adapter (``adapter_rows``; rows are
-        Megatron's leading, sequence dimension), so each adapter's rows are one block through its own A and B:
-        one pair of matmuls per adapter present, the input sorted once and the output put back once."""
+    def _by_adapter(self, x: torch.Tensor) -> tuple[Any, Any]:
+        """``down`` and ``up`` of a multi-adapter branch (``adapter_rows``; rows are Megatron's leading, sequence
+        dimension): packing puts a micro-batch's samples in adapter order, so each adapter's rows are one slice,
+        through its own A and B: one pair of matmuls per adapter present, no row copied."""
         rows = adapter_rows.current()
         n = x.shape[0]
         if rows is None:
             rows = torch.zeros(n, dtype=torch.long, device=x.device)
         if rows.numel() != n:
             raise ValueError(f"{rows.numel()} adapter rows for a forward of {n} rows")
-        rows, order = rows.sort(stable=True)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(n, device=order.device)
         present, counts = torch.unique_consecutive(rows, return_counts=True)
+        if present.numel() != present.unique().numel():
+            raise ValueError("a multi-adapter forward needs its rows grouped by adapter (packing.py orders them)")
         blocks = list(zip(present.tolist(), counts.tolist(), strict=True))
         pairs = list(self.pairs.values())
 
         def per_block(t: torch.Tensor, piece: Any) -> torch.Tensor:
+            if len(blocks) == 1:
+                return piece(blocks[0][0], t)
             return torch.cat([piece(a, part) for (a, _), part in zip(blocks, t.split([c for _, c in blocks]),
                                                                      strict=True)])
 
@@ -183,7 +177,7 @@ class LoRABranch(nn.Module):
         def up(h: torch.Tensor, pair: LoRAPair) -> torch.Tensor:
             return per_block(h, lambda a, part: part @ pair.lora_B[a].t())
 
-        return down, up, order, inverse
+        return down, up
 
 
 def _add_delta(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:

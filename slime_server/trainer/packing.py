@@ -111,6 +111,8 @@ def partition_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[in
 
 
 def _pack(samples: Sequence[TrainSample], idx: list[int], weights: dict[Aggregation, list[torch.Tensor]]) -> MicroBatch:
+    # by adapter (stable): each adapter's rows one block in a multi-adapter trainer's forward (lora.py)
+    idx = sorted(idx, key=lambda i: samples[i].adapter)
     picked = [samples[i] for i in idx]
     lens = [len(s.tokens) for s in picked]
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
