@@ -119,6 +119,40 @@ def test_agent_keys_reach_only_their_own_sessions(gateway: GatewayProc, offline_
     assert [t["reward"] for t in view] == [1.0]
 
 
+def test_a_front_end_names_its_users_and_nobody_else_can(gateway: GatewayProc, offline_admin_key: str) -> None:
+    """Issue 43: a frontend key says, per call, which of its users it acts for (``X-Slime-User``): each user's
+    sessions are recorded as theirs and reached only as them; an agent key, the shared key or the admin naming a
+    user is a 403 in the API's own error shape, and an agent key's own calls are that key's user."""
+    front, agent = mint(gateway, offline_admin_key, "frontend", "web"), mint(gateway, offline_admin_key)
+    front_id, agent_id = (k.removeprefix("sk-slime-").split(".")[0] for k in (front, agent))
+
+    def as_user(key: str, user: str | None, method: str, path: str, body: object = None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}", **({"X-Slime-User": user} if user else {})}
+        return httpx.request(method, f"{gateway.url}{path}", json=body, headers=headers, timeout=60)
+
+    alice = as_user(front, "alice", "POST", "/v1/sessions", {}).json()["id"]
+    r = as_user(front, "alice", "POST", "/v1/chat/completions", {"model": MODEL, "messages": USER, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    openai_client(gateway, api_key=front).chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=2, extra_headers={"X-Session-Id": alice, "X-Slime-User": "alice"})
+    view = as_user(front, "alice", "GET", f"/v1/sessions/{alice}").json()
+    assert view["user"] == f"key:{front_id}/alice" and view["num_turns"] == 1
+    # bob (same front end) and the front end acting for nobody cannot reach alice's session
+    assert_error(as_user(front, "bob", "GET", f"/v1/sessions/{alice}"), 403, "session_forbidden")
+    assert_error(as_user(front, None, "POST", f"/v1/sessions/{alice}/reward", {"reward": 1.0}), 403)
+    assert as_user(front, "alice", "POST", f"/v1/sessions/{alice}/reward", {"reward": 1.0}).status_code == 200
+    # nobody else may name a user: OpenAI and Anthropic shapes
+    for key in (agent, SHARED, ADMIN):
+        assert_error(as_user(key, "alice", "POST", "/v1/chat/completions",
+                             {"model": MODEL, "messages": USER, "max_tokens": 2}), 403, "user_header_forbidden")
+    r = as_user(agent, "alice", "POST", "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": USER})
+    assert r.status_code == 403 and r.json()["type"] == "error" and "X-Slime-User" in r.json()["error"]["message"]
+    assert_error(as_user(front, "no spaces", "POST", "/v1/sessions", {}), 400, "invalid_value")
+    mine = call(gateway, "POST", "/v1/sessions", agent, {}).json()["id"]
+    assert call(gateway, "GET", f"/v1/sessions/{mine}", agent).json()["user"] == f"key:{agent_id}"
+    assert call(gateway, "GET", f"/v1/sessions/{alice}", ADMIN).json()["user"] == f"key:{front_id}/alice"
+
+
 def test_admin_routes_refuse_agent_and_session_keys(gateway: GatewayProc, offline_admin_key: str) -> None:
     agent = mint(gateway, offline_admin_key)
     created = call(gateway, "POST", "/v1/sessions", agent, {"with_key": True}).json()

@@ -104,7 +104,9 @@ def authenticate(token: str | None, *, api_key: str | None, admin_api_key: str |
             if found is None or found[0].revoked_at is not None or not _same(found[1], hash_secret(minted[1])):
                 raise APIError(401, "invalid or revoked API key", code="invalid_api_key")
             record = found[0]
-            return Principal() if record.role == "admin" else Principal(role="agent", owner=f"key:{record.id}")
+            if record.role == "admin":
+                return Principal()
+            return Principal(role="agent", owner=f"key:{record.id}", asserts_users=record.role == "frontend")
         parsed = parse_session_key(token)
         if parsed is not None:
             session_id, secret = parsed

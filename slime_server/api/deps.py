@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 
 from slime_server.api.auth import authenticate, bearer_token, reads_store
 from slime_server.gateway.core import Gateway
-from slime_server.gateway.principal import Principal
+from slime_server.gateway.principal import USER_HEADER, Principal
 from slime_server.gateway.threads import in_thread
 
 
@@ -30,7 +30,9 @@ async def get_principal(request: Request) -> Principal:
         return authenticate(token, api_key=gw.settings.api_key, admin_api_key=gw.settings.admin_api_key,
                             session_key_hash=_safe_key_hash(gw), minted_key=gw.keys.lookup if gw.keys else None)
 
-    return await in_thread(resolve) if reads_store(token) else resolve()
+    principal = await in_thread(resolve) if reads_store(token) else resolve()
+    user = request.headers.get(USER_HEADER)
+    return principal if user is None else principal.acting_for(user.strip())
 
 
 async def require_admin(request: Request) -> None:

@@ -29,7 +29,8 @@ GW = Annotated[Gateway, Depends(get_gateway)]
 
 
 class CreateKeyRequest(BaseModel):
-    role: KeyRole = Field("agent", description="agent: /v1 and its own sessions; admin: everything")
+    role: KeyRole = Field("agent", description="agent: /v1 and its own sessions; frontend: an agent key of a trusted "
+                          "front end, which may name the user of each call (X-Slime-User); admin: everything")
     name: str = Field("", max_length=200, description="a label for listings (who holds the key)")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class TurnView(BaseModel):
@@ -56,6 +56,8 @@ class SessionView(BaseModel):
     group_id: str | None = None
     status: str
     metadata: dict[str, Any] = {}
+    user: str | None = Field(None, description="whose session: the agent key (key:<id>) or a front end's user "
+                             "(key:<front end>/<user>); None for the admin's, the shared key's and open access")
     segment_splits: int = 0
     num_turns: int
     num_tokens: int
@@ -78,6 +80,7 @@ def trajectory_view(t: Any) -> TrajectoryView:
 def session_view(s: Any, trajs: list[Any]) -> SessionView:
     return SessionView(
         id=s.id, group_id=s.group_id, status=s.status, metadata=s.metadata, segment_splits=s.segment_splits,
+        user=s.owner if (s.owner or "").startswith("key:") else None,
         num_turns=sum(len(t.turns) for t in trajs), num_tokens=sum(len(t.tokens) for t in trajs),
         num_generated_tokens=sum(sum(t.loss_mask) for t in trajs), rewards=[t.reward for t in trajs],
         trajectories=[TrajectorySummary(id=t.id, segment=t.segment, branch=t.branch, status=t.status,

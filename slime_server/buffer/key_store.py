@@ -21,7 +21,8 @@ from slime_server.buffer.migrations import migrated
 from slime_server.buffer.sql import Database, Tx
 from slime_server.buffer.sqlite_conn import SQLiteDatabase
 
-KeyRole = Literal["agent", "admin"]
+# frontend: an agent key that may also say, per call, which of its users it acts for (``X-Slime-User``)
+KeyRole = Literal["agent", "admin", "frontend"]
 KEY_PREFIX = "sk-slime-"
 
 _COLUMNS = "id, role, name, key_hash, created_at, revoked_at"

@@ -17,7 +17,7 @@ class KeysCommand:
         parser.add_argument("action", choices=("create", "list", "revoke"))
         parser.add_argument("key_id", nargs="?", help="revoke: the key's id")
         parser.add_argument("--db-path", default=None, help="SQLite store (default: settings gateway.db_path)")
-        parser.add_argument("--role", choices=("agent", "admin"), default="agent")
+        parser.add_argument("--role", choices=("agent", "admin", "frontend"), default="agent")
         parser.add_argument("--name", default="", help="a label: who holds the key")
 
     def run(self, args, settings) -> int:

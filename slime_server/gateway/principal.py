@@ -6,12 +6,15 @@ how the caller was authenticated (``api/auth.py`` turns a bearer token into a ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from slime_server.gateway.errors import APIError
 
 Role = Literal["admin", "agent", "session"]
+USER_HEADER = "X-Slime-User"  # a trusted front end's user of the call (api/deps.py)
+_USER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}$")
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,25 @@ class Principal:
     role: Role = "admin"
     owner: str | None = None  # agents: the owner recorded on the sessions they create
     session_id: str | None = None  # session keys: the one session they reach
+    asserts_users: bool = False  # a front end's key: it may say which of its users a call is for
+
+    @property
+    def user(self) -> str | None:
+        """The user a call is recorded for, what per-user learning keys on: a minted agent key's owner
+        (``key:<id>``), or a front end's user (``key:<front end>/<user>``); None for the admin, session keys and the
+        shared configured key or open access (many people behind one name)."""
+        return self.owner if self.role == "agent" and (self.owner or "").startswith("key:") else None
+
+    def acting_for(self, user: str) -> Principal:
+        """This front end's principal for one call made for ``user``: its sessions are that user's alone (they are
+        owned by ``key:<front end>/<user>``). Any other key may not name a user: a 403."""
+        if not self.asserts_users:
+            raise APIError(403, f"this API key cannot name the user of a call ({USER_HEADER} needs a frontend key)",
+                           code="user_header_forbidden", param=USER_HEADER)
+        if not _USER.match(user):
+            raise APIError(400, f"{USER_HEADER} must be 1-128 of letters, digits and . _ @ + - (starting with a "
+                           "letter or digit)", code="invalid_value", param=USER_HEADER)
+        return replace(self, owner=f"{self.owner}/{user}", asserts_users=False)
 
     @property
     def is_admin(self) -> bool:
