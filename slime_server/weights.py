@@ -115,7 +115,7 @@ def fill_flat(buf: torch.Tensor, group: list[tuple[str, torch.Tensor]], metas: l
 
 def _view(buf: torch.Tensor, m: FlatMeta) -> torch.Tensor:
     part = buf[m.start_idx:m.end_idx]
-    if m.start_idx % torch.empty((), dtype=m.dtype).element_size():  # unaligned: a view is illegal
+    if m.start_idx % m.dtype.itemsize:  # unaligned: a view is illegal
         return part.clone().view(m.dtype).view(m.shape)
     return part.view(m.dtype).view(m.shape)
 

@@ -164,8 +164,11 @@ class AdapterBank:
                     b = b_part[slot]
                     b.zero_()
                     if p in config.targets:
-                        a[i * r: i * r + config.rank] = tensors[(layer, p, "A")].to(self.dtype)
-                        b[: config.rank] = (tensors[(layer, p, "B")].float() * config.scaling).t().to(self.dtype)
+                        a[i * r: i * r + config.rank] = tensors[(layer, p, "A")]
+                        if self.dtype == torch.float32:  # in place: the same numbers as scaling in fp32, no temporaries
+                            b[: config.rank].copy_(tensors[(layer, p, "B")].t()).mul_(config.scaling)
+                        else:  # scaled in fp32, rounded once
+                            b[: config.rank] = (tensors[(layer, p, "B")].float() * config.scaling).t().to(self.dtype)
         self._slot_groups[slot] = {g for g, parts in GROUPS.items() if set(parts) & set(config.targets)}
         self._uid += 1
         with self._lock:

@@ -287,7 +287,7 @@ class TrainerRank:
         lora = self.settings.lora
         if lora is None:
             raise RuntimeError("this trainer has no LoRA adapter to push (TrainerRankSettings.lora)")
-        tensors = peft_state_dict(self._ready().model, adapter)
+        tensors = peft_state_dict(self._ready().model, adapter, copy=False)  # the push copies them into its bucket
         if not is_push_sender():
             return {"version": name, "sent": False, "tensors": len(tensors)}
         return self._adapter_pusher(engine_urls).push(name, adapter_config(lora, self.settings.hf_path),

@@ -81,7 +81,12 @@ class AdapterPusher:
         named = sorted(tensors.items())
         metas = layout_of(named)
         flat = self._arena.buffer(0, flat_size(metas))
-        fill_flat(flat, named, metas)
+        dtypes = {t.dtype for _, t in named}
+        if len(dtypes) == 1 and all(a.end_idx == b.start_idx for a, b in zip(metas, metas[1:], strict=False)):
+            # one dtype, no gaps: one concatenation into the bucket instead of a copy per tensor (hundreds)
+            torch.cat([t.detach().reshape(-1) for _, t in named], out=flat.view(dtypes.pop()))
+        else:
+            fill_flat(flat, named, metas)
         payload = serialize(flattened_payload(flat, metas))
         sums = {n: tensor_sha256(t) for n, t in named} if self.verify else None
         pack_s = time.perf_counter() - t0

@@ -42,22 +42,23 @@ def megatron_name(peft: str) -> str:
     return f"decoder.layers.{layer}.{linear}.lora.{part}.lora_{matrix}"
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def adapter_state(model: nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
     """Every adapter tensor, full, under its global Megatron name, on every rank (collective: TP gathers, then
-    the pipeline stages merged)."""
+    the pipeline stages merged). ``copy=False``: CPU parameters come as views (a caller that copies them at once,
+    the adapter push)."""
     inner = unwrap(model)
     offset = layer_offset(inner)
     local = {}
     for name, param in inner.named_parameters():
         if is_adapter_name(name):
             key = to_global(name, offset)
-            local[key] = gather_tp(key, param, param.detach()).to("cpu", copy=True)
+            local[key] = gather_tp(key, param, param.detach()).to("cpu", copy=copy)
     return gather_stages(local)
 
 
-def peft_state_dict(model: nn.Module, adapter: int | None = None) -> dict[str, torch.Tensor]:
+def peft_state_dict(model: nn.Module, adapter: int | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
     """The adapter under PEFT's names (collective); in a multi-adapter trainer, adapter ``adapter``'s."""
-    state = adapter_state(model)
+    state = adapter_state(model, copy)
     stacked = any(v.dim() == 3 for v in state.values())
     if stacked and adapter is None:
         raise ValueError("this trainer holds several adapters: say which one")
