@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import io
 import pickle
 import threading
@@ -261,6 +262,11 @@ def sharing_strategy(name: str) -> Iterator[None]:
             yield
         finally:
             tmp.set_sharing_strategy(old)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """SGLang's checksum of one tensor of a LoRA push (``expected_checksums``): sha256 of its bytes, C order."""
+    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def serialize(obj: Any) -> str:

@@ -254,6 +254,17 @@ def bench_prefixes(model_dir: str, args: argparse.Namespace, settings: Any, samp
             "first_loss": {k: v[0] for k, v in first.items()}, "first_grad_norm": {k: v[1] for k, v in first.items()}}
 
 
+def timed(args: argparse.Namespace, run: Callable[[], object]) -> list[float]:
+    """Seconds of each of ``args.steps`` calls of ``run``, after ``args.warmup`` untimed ones."""
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        run()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def one_rank(model_dir: str, args: argparse.Namespace, loss: Any, **extra: Any) -> Any:
     """A set-up single-process ``TrainerRank`` (Adam at ``args.lr``; ``extra``: more TrainerRankSettings)."""
     from slime_server.trainer.actor import RendezvousInfo, TrainerRank, TrainerRankSettings
@@ -278,12 +289,7 @@ def bench_lora(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> 
     out: dict[str, Any] = {}
     for name, lora in (("full", None), (f"lora_r{args.lora}", LoRASettings(rank=args.lora, alpha=2 * args.lora))):
         rank = one_rank(model_dir, args, LossConfig(loss_type="grpo"), lora=lora)
-        times = []
-        for i in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
-            rank.train_step(samples)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
+        times = timed(args, lambda rank=rank: rank.train_step(samples))
         state = sum(t.numel() * t.element_size() for opt in _torch_optimizers(rank.bundle)
                     for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
         trainable = sum(p.numel() for p in rank.bundle.model.parameters() if p.requires_grad)
@@ -298,6 +304,7 @@ def bench_lora(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> 
 
 def bench_push(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
     """Bytes and median seconds of a merged push vs an adapter push (+ the old name's unload) to one engine."""
+    from slime_server.trainer.engine_control import EngineControl
     from slime_server.trainer.parallel import destroy_parallel
     from slime_server.trainer.settings import LoRASettings, LossConfig
     from slime_server.utils.net import find_free_port, wait_http_ok
@@ -309,6 +316,7 @@ def bench_push(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
                                      "--max-lora-rank", str(args.push)), env={"OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     rank = None
+    engines = EngineControl(lambda: [url])
     try:
         wait_http_ok(f"{url}/health", timeout=300, proc=engine)
         rank = one_rank(model_dir, args, LossConfig(loss_type="grpo"),
@@ -326,7 +334,7 @@ def bench_push(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             stats = rank.push_adapter([url], name)
             if previous is not None:
-                rank.unload_adapter([url], previous)
+                engines.unload_adapter(previous)  # as the job's loop does (there, off its thread)
             if i:
                 runs["adapter"].append(time.perf_counter() - t0)
             sent["adapter"], previous = stats["bytes"], name
@@ -334,6 +342,7 @@ def bench_push(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
         if rank is not None:
             rank.shutdown()
             destroy_parallel()
+        engines.close()
         kill_group(engine)
     out: dict[str, Any] = {k: {"bytes": sent[k], "median_s": round(statistics.median(v), 4),
                                "seconds": [round(t, 4) for t in v]} for k, v in runs.items()}
@@ -357,12 +366,7 @@ def bench_users(model_dir: str, args: argparse.Namespace, vocab: int, pad_id: in
     out: dict[str, Any] = {}
 
     rank = one_rank(model_dir, args, loss, lora=lora.model_copy(update={"adapters": users}))
-    times = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        rank.train_step(mixed)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    times = timed(args, lambda: rank.train_step(mixed))
     out["together"] = {"step_s": round(statistics.median(times), 3), "samples_per_s": round(
         len(mixed) / statistics.median(times), 3), "adapters": len(stacked_adapters(rank.bundle.model))}
     destroy_parallel()
@@ -377,17 +381,16 @@ def bench_users(model_dir: str, args: argparse.Namespace, vocab: int, pad_id: in
 
     rank.train_step(per_user[0])  # the moments exist from here on
     saved = [[t.clone() for t in state_of()] for _ in range(users)]
-    times = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+
+    def one_at_a_time() -> None:
         for u in range(users):  # swap user u's adapter and moments in, step on their samples, swap out
             for t, mine in zip(state_of(), saved[u], strict=True):
                 t.copy_(mine)
             rank.train_step(per_user[u])
             for t, mine in zip(state_of(), saved[u], strict=True):
                 mine.copy_(t)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+
+    times = timed(args, one_at_a_time)
     out["one_at_a_time"] = {"round_s": round(statistics.median(times), 3), "samples_per_s": round(
         len(mixed) / statistics.median(times), 3)}
     destroy_parallel()
@@ -407,16 +410,15 @@ def bench_algorithms(model_dir: str, args: argparse.Namespace, samples: list[Any
     for name, extra in (("policy", {}), ("policy+reference+critic", {"reference": True, "critic": CriticSettings()})):
         loss = LossConfig(loss_type="ppo", kl_coef=0.01 if extra else 0.0)
         rank = one_rank(model_dir, args, loss, **extra)
-        times = []
-        for i in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
+
+        def step(rank: Any = rank) -> None:
             rank.train_step(samples)
             if rank.critic is not None:
                 values = rank.compute_values(samples)
                 rank.train_critic([s.model_copy(update={"returns": [float(s.reward)] * len(s.tokens)}) for s in samples],
                                   values)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
+
+        times = timed(args, step)
         out[name] = {"step_s": round(statistics.median(times), 4), "policy_mib": round(mbytes(rank.bundle.model), 1),
                      "reference_mib": round(mbytes(rank.reference), 1),
                      "critic_mib": round(mbytes(rank.critic.model if rank.critic else None), 1)}

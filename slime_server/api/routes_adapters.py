@@ -19,6 +19,7 @@ from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.protocol import ErrorResponse
 from slime_server.gateway.threads import in_thread
+from slime_server.jobs.errors import JobError
 from slime_server.jobs.spec import ACTIVE
 
 router = APIRouter(prefix="/admin/adapters", tags=["admin"], dependencies=[Depends(require_admin)],
@@ -57,7 +58,10 @@ async def delete_adapter(alias: str, gw: GW) -> DeletedAdapter:
     if record is None:
         raise APIError(404, f"no adapter alias '{alias}'", code="adapter_not_found", param="alias")
     if gw.jobs is not None and record.job_id:
-        job = next((j for j in gw.jobs.list() if j.id == record.job_id), None)
+        try:
+            job = gw.jobs.get(record.job_id)
+        except JobError:  # its job is gone: nothing trains the alias
+            job = None
         if job is not None and job.status in ACTIVE:
             raise APIError(409, f"job {record.job_id} still trains '{alias}'; cancel it first", code="job_active")
     await in_thread(store.delete, alias)  # first: no request routes to it from now on

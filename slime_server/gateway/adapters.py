@@ -101,16 +101,12 @@ class AdapterDirectory:
         """Unload every version of ``alias`` from every engine behind the router (each waits for its requests);
         the names unloaded."""
         gone: set[str] = set()
-        r = await self.engine.http.get("/workers", timeout=5)
-        for w in r.json().get("workers", []) if r.status_code == 200 else []:
-            url = w["url"].rstrip("/")
-            m = await self.engine.http.get(f"{url}/v1/models", timeout=5)
-            names = [c["id"] for c in m.json().get("data", []) if c.get("parent")] if m.status_code == 200 else []
-            for name in names:
+        for url in await self._workers():
+            for name in await self._served_by(url) or []:
                 if is_version_of(name, alias):
                     await self.engine.http.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=600)
                     gone.add(name)
-        self._at = -TTL_S
+        self._at = -TTL_S  # the engines' list changed
         self._alias_cache.pop(alias, None)
         return sorted(gone)
 
@@ -122,10 +118,9 @@ class AdapterDirectory:
             return None
         body = {"lora_name": record.saved_name, "lora_path": record.saved_path}
         try:
-            r = await self.engine.http.get("/workers", timeout=5)
-            urls = [w["url"] for w in r.json().get("workers", [])] if r.status_code == 200 else []
+            urls = await self._workers()
             for url in urls:
-                answer = await self.engine.http.post(f"{url.rstrip('/')}/load_lora_adapter", json=body, timeout=300)
+                answer = await self.engine.http.post(f"{url}/load_lora_adapter", json=body, timeout=300)
                 if answer.status_code != 200 and "already loaded" not in answer.text:
                     return None
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
@@ -184,19 +179,27 @@ class AdapterDirectory:
         return self._names
 
     async def _ask(self) -> set[str] | None:
-        http = self.engine.http
         try:
-            r = await http.get("/workers", timeout=5)
-            if r.status_code != 200:
-                return None
-            workers = [w["url"] for w in r.json().get("workers", []) if w.get("is_healthy", True)]
-            for url in workers:
-                m = await http.get(f"{url.rstrip('/')}/v1/models", timeout=5)
-                if m.status_code == 200:
-                    return {card["id"] for card in m.json().get("data", []) if card.get("parent")}
+            for url in await self._workers(healthy_only=True):
+                served = await self._served_by(url)
+                if served is not None:
+                    return set(served)
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
             return None
         return None
+
+    async def _workers(self, healthy_only: bool = False) -> list[str]:
+        """The engines behind the router (its ``GET /workers``; none when it does not say)."""
+        r = await self.engine.http.get("/workers", timeout=5)
+        if r.status_code != 200:
+            return []
+        return [w["url"].rstrip("/") for w in r.json().get("workers", [])
+                if not healthy_only or w.get("is_healthy", True)]
+
+    async def _served_by(self, url: str) -> list[str] | None:
+        """The adapters engine ``url`` lists in SGLang's ``/v1/models`` (cards with a parent); None: no answer."""
+        m = await self.engine.http.get(f"{url}/v1/models", timeout=5)
+        return [c["id"] for c in m.json().get("data", []) if c.get("parent")] if m.status_code == 200 else None
 
     async def check(self, adapter: str, shown: str | None = None) -> None:
         """404 (``model_not_found``, param ``model``) when the engines are known not to serve ``adapter``."""

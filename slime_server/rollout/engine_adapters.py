@@ -11,7 +11,6 @@ thread; only the copy into the bank's slot runs on the scheduler thread, between
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -19,11 +18,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from slime_server.lora_format import PROJECTIONS, AdapterError, parse_config, parse_tensor_name, read_config
 from slime_server.rollout.engine_config import EngineConfig
 from slime_server.rollout.engine_lora import AdapterBank, LoadedAdapter, ModelDims
+from slime_server.weights import tensor_sha256
 
 DEFAULT_MAX_RANK = 64
 FROM_TENSORS = "__tensor__"  # SGLang's registry path of an adapter loaded from tensors (never reloaded on demand)
@@ -126,7 +124,7 @@ class EngineAdapters:
         """SGLang's ``/load_lora_adapter_from_tensors``: a PEFT config and its tensors by name, checked against
         ``expected_checksums`` (sha256 of each tensor's bytes, every name exactly) before anything loads."""
         if expected_checksums is not None:
-            check_sums(tensors, expected_checksums)
+            _check_sums(tensors, expected_checksums)
         config = parse_config(config_dict, name)
         self.bank.check(config, name)
         try:
@@ -201,15 +199,14 @@ class EngineAdapters:
         return adapter
 
 
-def check_sums(tensors: dict[str, Any], expected: dict[str, str]) -> None:
+def _check_sums(tensors: dict[str, Any], expected: dict[str, str]) -> None:
     """SGLang's ``[LORA-CHECK]``: every expected name present with that sha256, no other tensor."""
     mismatch, missing = [], []
     for name, want in expected.items():
         t = tensors.get(name)
         if t is None:
             missing.append(name)
-        elif hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest() \
-                != want:
+        elif tensor_sha256(t) != want:
             mismatch.append(name)
     extra = [n for n in tensors if n not in expected]
     if mismatch or missing or extra:

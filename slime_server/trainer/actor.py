@@ -293,10 +293,6 @@ class TrainerRank:
         return self._adapter_pusher(engine_urls).push(name, adapter_config(lora, self.settings.hf_path),
                                                       tensors).model_dump()
 
-    def unload_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, str]:
-        """Unload an adapter version from ``engine_urls`` (they wait for its requests); url -> error."""
-        return self._adapter_pusher(engine_urls).unload(name) if is_push_sender() else {}
-
     def _adapter_pusher(self, engine_urls: Sequence[str]) -> AdapterPusher:
         key = tuple(engine_urls)
         if getattr(self, "_adapter_key", None) != key:
@@ -408,12 +404,6 @@ class TrainerGroup:
 
     def push_adapter(self, engine_urls: Sequence[str], name: str, adapter: int | None = None) -> dict[str, Any]:
         return next(r for r in self._all("push_adapter", list(engine_urls), name, adapter) if r["sent"])
-
-    def unload_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for r in self._all("unload_adapter", list(engine_urls), name):
-            out.update(r)
-        return out
 
     def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str:
         return self._all("save_adapter", path, base_model, adapter)[0]

@@ -10,7 +10,6 @@ flattened bucket in shared memory, by reference (engines on this host); with ``v
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ import torch
 
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_tp_size
-from slime_server.rollout.protocol import LoadLoRAAdapterFromTensorsReqInput, UnloadLoRAAdapterReqInput
+from slime_server.rollout.protocol import LoadLoRAAdapterFromTensorsReqInput
 from slime_server.trainer.weight_push import EnginePushStats, PushStats, WeightPushError, http_error_text
 from slime_server.utils.net import engine_limits, is_local_host
 from slime_server.weights import (
@@ -32,16 +31,13 @@ from slime_server.weights import (
     flattened_payload,
     layout_of,
     serialize,
+    tensor_sha256,
 )
 
 
-def tensor_sha256(t: torch.Tensor) -> str:
-    """SGLang's checksum of one adapter tensor: sha256 of its bytes, C order."""
-    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 class AdapterPusher:
-    """Loads and unloads one job's adapter versions on a fixed set of engines on this host."""
+    """Loads one job's adapter versions into a fixed set of engines on this host (the loop's EngineControl unloads
+    them: the engines make that wait for the version's requests, which the trainer must not)."""
 
     def __init__(self, engine_urls: Sequence[str], *, api_key: str | None = None, timeout: float = 600.0,
                  verify: bool = False) -> None:
@@ -113,14 +109,3 @@ class AdapterPusher:
                          pack_seconds=pack_s, seconds=total, gbps=size / 1e9 / total if total else 0.0,
                          engines=[EnginePushStats(url=u, seconds=spent[u], gbps=size / 1e9 / spent[u] if spent[u]
                                                   else 0.0, weight_version=name) for u in self.engine_urls])
-
-    def unload(self, name: str) -> dict[str, str]:
-        """Unload ``name`` from every engine (each waits for that version's requests: call it off the training
-        path); an engine that no longer has it (restarted) is fine. Returns url -> error."""
-        def unload(url: str) -> None:
-            try:
-                self._post(url, "/unload_lora_adapter", UnloadLoRAAdapterReqInput(lora_name=name))
-            except RuntimeError as e:
-                if "does not exist" not in str(e):
-                    raise
-        return self._on_all(unload)

@@ -37,28 +37,24 @@ class EngineControl:
 
     def load_adapter(self, name: str, path: str) -> dict[str, str]:
         """Load a PEFT directory into every engine as ``name`` (one that has it already is fine); url -> error."""
-        errors: dict[str, str] = {}
-        for url in self.urls():
-            try:
-                r = self._client.post(f"{url}/load_lora_adapter", json={"lora_name": name, "lora_path": path})
-            except httpx.HTTPError as e:
-                errors[url] = repr(e)
-                continue
-            if r.status_code != 200 and "already loaded" not in r.text:
-                errors[url] = r.text[:300]
-        return errors
+        return self._on_each("/load_lora_adapter", {"lora_name": name, "lora_path": path}, "already loaded")
 
     def unload_adapter(self, name: str, timeout: float = 600.0) -> dict[str, str]:
         """Unload a LoRA adapter from every engine (each waits for its requests to finish, hence the long timeout);
         an engine without it (restarted) is fine. url -> error."""
+        return self._on_each("/unload_lora_adapter", {"lora_name": name}, "does not exist", timeout)
+
+    def _on_each(self, path: str, body: dict[str, Any], fine: str, timeout: float | None = None) -> dict[str, str]:
+        """``path`` on every engine; url -> error, except refusals that say ``fine`` (the state asked for holds)."""
         errors: dict[str, str] = {}
         for url in self.urls():
             try:
-                r = self._client.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=timeout)
+                r = self._client.post(f"{url}{path}", json=body,
+                                      **({"timeout": timeout} if timeout is not None else {}))
             except httpx.HTTPError as e:
                 errors[url] = repr(e)
                 continue
-            if r.status_code != 200 and "does not exist" not in r.text:
+            if r.status_code != 200 and fine not in r.text:
                 errors[url] = r.text[:300]
         return errors
 
