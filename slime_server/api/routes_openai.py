@@ -53,11 +53,11 @@ async def list_models(gw: GW, _: Caller) -> ModelList:
 
 
 @router.get("/models/{model_id}", response_model=ModelCard, response_model_exclude_none=True)
-async def get_model(model_id: str, gw: GW, _: Caller) -> ModelCard:
+async def get_model(model_id: str, gw: GW, principal: Caller) -> ModelCard:
     adapter = core.check_model(gw, model_id)
     if adapter is None:
         return ModelCard(id=gw.model_name)
-    await gw.adapters.route(adapter)
+    await gw.adapters.for_call(adapter, principal)
     return ModelCard(id=model_id, parent=gw.model_name)
 
 
@@ -79,7 +79,7 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
                       x_session_id: SessionHeader = None) -> CompletionResponse:
     """Raw completion; recorded as a one-turn trajectory (the prompt is context, the output generated)."""
     adapter = core.check_model(gw, req.model)
-    route = await gw.adapters.route(adapter) if adapter is not None else None
+    route = await gw.adapters.for_call(adapter, principal)
     if req.stream:
         raise bad_request("stream is not supported on /v1/completions; use /v1/chat/completions", param="stream")
     if req.n > gw.settings.max_n:

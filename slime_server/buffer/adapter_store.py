@@ -10,6 +10,7 @@ for every token the adapter generates.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from slime_server.buffer.migrations import migrated
 from slime_server.buffer.sql import Database, Tx
 from slime_server.buffer.sqlite_conn import SQLiteDatabase
 
+USER_ALIAS_PREFIX = "user-"
 _COLUMNS = "alias, name, version, job_id, previous, saved_version, saved_path, created_at, updated_at"
 
 
@@ -44,6 +46,16 @@ class PublishedAdapter(BaseModel):
 def versioned_name(alias: str, job_id: str | None, version: int) -> str:
     """The engines' name of ``alias`` at ``version`` (a job's own: two jobs publishing one alias never collide)."""
     return f"{alias}@{job_id}.v{version}" if job_id and job_id != alias else f"{alias}.v{version}"
+
+
+def user_alias(user: str) -> str:
+    """The alias of ``user``'s own adapter in a per-user job (``lora.per = 'user'``): a digest, so neither the engines'
+    adapter names nor the alias table spell out who the users are."""
+    return USER_ALIAS_PREFIX + hashlib.sha256(user.encode()).hexdigest()[:20]
+
+
+def is_user_alias(alias: str) -> bool:
+    return re.fullmatch(rf"{USER_ALIAS_PREFIX}[0-9a-f]{{20}}", alias) is not None
 
 
 def is_version_of(name: str, alias: str) -> bool:

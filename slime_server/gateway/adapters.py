@@ -15,6 +15,7 @@ engines' own refusal stands.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -22,14 +23,23 @@ from typing import Any
 
 import httpx
 
-from slime_server.buffer.adapter_store import AdapterStore, PublishedAdapter, is_version_of
+from slime_server.buffer.adapter_store import (
+    AdapterStore,
+    PublishedAdapter,
+    is_user_alias,
+    is_version_of,
+    user_alias,
+)
 from slime_server.gateway.engine_client import EngineClient, EngineError
 from slime_server.gateway.errors import APIError
+from slime_server.gateway.principal import Principal
 from slime_server.gateway.threads import in_thread
 from slime_server.rollout.protocol import GenerateOutput
 
+log = logging.getLogger(__name__)
 TTL_S = 2.0
 ALIAS_TTL_S = 1.0  # how long a replica routes by an alias it read (the trainer unloads a left version later)
+ALIASES_KEPT = 100_000  # aliases (and users' misses) remembered; the cache starts over beyond this
 RESENDS = 3  # re-sends of one request after its version was unloaded (each one to the alias's newer version)
 
 
@@ -57,24 +67,49 @@ class AdapterDirectory:
         self._at = -TTL_S
         self._alias_cache: dict[str, tuple[float, PublishedAdapter | None]] = {}
 
-    async def published(self, alias: str, refresh: bool = False) -> PublishedAdapter | None:
-        """``alias``'s record (None: no such alias), read again after ``ALIAS_TTL_S``."""
+    async def published(self, alias: str, refresh: bool = False, keep_miss: bool = False) -> PublishedAdapter | None:
+        """``alias``'s record (None: no such alias), read again after ``ALIAS_TTL_S``. A miss is kept only with
+        ``keep_miss`` (a user's own alias, looked up on every call of theirs): otherwise an alias published a
+        moment later is found at once."""
         if self.aliases is None:
             return None
         hit = self._alias_cache.get(alias)
         if hit is not None and not refresh and time.monotonic() - hit[0] < ALIAS_TTL_S:
             return hit[1]
         record = await in_thread(self.aliases.get, alias)
-        if record is not None:  # a miss is not kept: an alias published a moment later is found at once
+        if record is not None or keep_miss:
+            if len(self._alias_cache) >= ALIASES_KEPT:
+                self._alias_cache.clear()
             self._alias_cache[alias] = (time.monotonic(), record)
         return record
+
+    async def for_call(self, requested: str | None, principal: Principal) -> AdapterRoute | None:
+        """Where one call goes: the adapter it names (a user's own adapter only by that user or the admin), or, when
+        it names the served model, the caller's own adapter once a per-user job has published one (None: the
+        base). A user whose adapter the engines cannot serve now is served by the base, not refused."""
+        if requested is not None:
+            mine = principal.user is not None and user_alias(principal.user) == requested
+            if is_user_alias(requested) and not (mine or principal.is_admin):
+                raise APIError(404, f"the model '{self.served_name}:{requested}' does not exist",
+                               code="model_not_found", param="model")
+            return await self.route(requested)
+        if principal.user is None:
+            return None
+        alias = user_alias(principal.user)
+        if await self.published(alias, keep_miss=True) is None:
+            return None
+        try:
+            return await self.route(alias)
+        except APIError as e:
+            log.warning("user adapter %s not served (%s): the base answers", alias, e.message)
+            return None
 
     async def listing(self) -> list[str]:
         """What clients can name: every published alias, then the engines' adapters that are no alias's version."""
         names = await self.names() or set()
         records = await in_thread(self.aliases.list) if self.aliases is not None else []
         shown = {n for n in names if not any(is_version_of(n, r.alias) for r in records)}
-        return sorted({r.alias for r in records} | shown)
+        return sorted({r.alias for r in records if not is_user_alias(r.alias)} | shown)
 
     async def route(self, requested: str) -> AdapterRoute:
         """The route of a request naming ``requested`` (an alias or an engine's adapter name); a 404 now when the

@@ -249,8 +249,9 @@ class ChatTurn:
         session_id = resolve_session(principal, header_session_id, req.metadata)  # checks the key's rights
         if self.side:
             session_id = None
-        if self.adapter is not None:  # an adapter the engines lack: a 404 now, before a stream starts
-            self.route = await gw.adapters.route(self.adapter)
+        # the adapter asked for, or the caller's own (a per-user job's); one the engines lack: a 404 now, before a
+        # stream starts
+        self.route = await gw.adapters.for_call(self.adapter, principal)
         await gw.admit(session_id, req.metadata)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

@@ -51,18 +51,18 @@ def publication(spec: JobSpec, job_id: str, adapters: AdapterStore, engines: Eng
     alias = alias_of(spec, job_id)
     if alias is None:
         return None
-
-    def publish(name: str, version: int) -> str | None:
-        return adapters.publish(alias, name, version, job_id).previous
+    assert spec.lora is not None
 
     def unload(name: str) -> None:
         errors = engines.unload_adapter(name)
         if errors:
             log.warning("unloading adapter %s: %s", name, errors)
 
-    return AdapterPublication(alias=alias, versioned=lambda v: versioned_name(alias, job_id, v), publish=publish,
-                              unload=unload, saved=lambda version, path: adapters.saved(alias, version, path),
-                              save_dir=job_dir / "adapters")
+    return AdapterPublication(
+        alias=alias, versioned=lambda a, v: versioned_name(a, job_id, v),
+        publish=lambda a, name, v: adapters.publish(a, name, v, job_id).previous, unload=unload,
+        saved=adapters.saved, save_dir=job_dir / "adapters",
+        user_slots=spec.lora.adapters if spec.lora.per == "user" else 0)
 
 
 def runner_adapter(spec: JobSpec, job_id: str) -> dict[str, Any]:

@@ -169,6 +169,9 @@ class JobSpec(_Strict):
             if not d.dataset or not Path(d.dataset).is_file():
                 raise ValueError(f"data.source {d.source!r} needs data.dataset, a JSONL file "
                                  f"({'conversations' if d.source == 'conversations' else 'an export'})")
+        if self.lora is not None and self.lora.per == "user" and d.source != "live":
+            raise ValueError("lora.per 'user' learns each user's adapter from their own live conversations: "
+                             "data.source must be 'live'")
         if d.source == "conversations" and self.algorithm != "sft":
             raise ValueError("data.source 'conversations' trains supervised: set algorithm 'sft'")
         if self.algorithm == "sft" and d.source in ("live", "dataset") and self.rejection is None:

@@ -117,8 +117,10 @@ class ImplicitFeedback:
                 meta["teacher_logprobs"] = await self.teacher_logprobs(base, base.turns[turn_index], verdict.hint,
                                                                        tools)
             sample = turn_sample(base, turn_index, float(verdict.score), meta)
+            # the sample is its conversation's user's (what a per-user job trains that user's adapter on)
+            owner = (await in_thread(store.get_session, base.session_id)).owner
             write = TurnWrite(session_id=sample.session_id, trajectories=[sample], close_session=True,
-                              create_session=Session(id=sample.session_id, metadata={
+                              create_session=Session(id=sample.session_id, owner=owner, metadata={
                                   "online_turn_sample": True, "source_session": base.session_id}))
             await in_thread(store.write_turn, write)
         except SessionExistsError:

@@ -40,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,6 +48,7 @@ from pydantic import BaseModel, Field
 from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
 from slime_server.lora_format import ADAPTER_DIR
+from slime_server.trainer.adapter_publish import AdapterPublication, AdapterPublisher
 from slime_server.trainer.advantages import (
     compute_advantages,
     opd_advantages,
@@ -61,9 +61,9 @@ from slime_server.trainer.grammar_masks import GrammarMasker, GrammarReplayError
 from slime_server.trainer.selection import Rejection, Selection, select, wait_reason
 from slime_server.trainer.settings import Checkpoint, LoopSettings, LoopState, OPDWeights
 from slime_server.trainer.types import TrainSample
+from slime_server.trainer.user_slots import UserSlots
 
 log = logging.getLogger(__name__)
-UNLOAD_AFTER_S = 3.0  # > the gateway's alias cache (gateway/adapters.ALIAS_TTL_S)
 
 
 class Trainer(Protocol):
@@ -84,26 +84,11 @@ class Trainer(Protocol):
     def push_weights(self, engine_urls: Sequence[str], version: int | str,
                      bucket_bytes: int | None = None) -> dict[str, Any]: ...
 
-    def push_adapter(self, engine_urls: Sequence[str], name: str) -> dict[str, Any]: ...
+    def push_adapter(self, engine_urls: Sequence[str], name: str, adapter: int | None = None) -> dict[str, Any]: ...
 
-    def save_adapter(self, path: str) -> str: ...
+    def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str: ...
 
     def shutdown(self) -> None: ...
-
-
-@dataclass
-class AdapterPublication:
-    """A LoRA job that publishes its adapter instead of pushing weights (``lora.publish = 'adapter'``): each version
-    is loaded into the engines as ``versioned(version)``, then ``publish(name, version)`` points the alias at it
-    and returns the name it pointed at before, which ``unload`` removes from the engines (off the loop's thread:
-    the engines wait for that version's requests)."""
-
-    alias: str
-    versioned: Callable[[int], str]
-    publish: Callable[[str, int], str | None]
-    unload: Callable[[str], None]
-    saved: Callable[[int, str], None]  # (version, PEFT directory): what a restart loads again
-    save_dir: Path  # where the version a job ends on is saved (checkpoints hold theirs)
 
 
 class Batch(BaseModel):
@@ -168,6 +153,14 @@ class TrainLoop:
                  grammar_masker: GrammarMasker | None = None, adapter: AdapterPublication | None = None) -> None:
         self.store = store
         self.adapter = adapter  # a LoRA job publishing its adapter (None: pushes weights)
+        self.state = state or LoopState()
+        # lora.per 'user': each sample trains its user's adapter slot, each user's adapter is published apart
+        self.users = None if adapter is None or not adapter.user_slots else UserSlots(
+            self.state, adapter.user_slots, lambda sid: store.get_session(sid).owner)
+        self.publisher = None if adapter is None else AdapterPublisher(adapter, self.users,
+                                                                        lambda k, d: self.on_event(k, d))
+        # a per-user job's users trained since their last publication (None: all, as a start or a restore needs)
+        self._unpublished: list[str] | None = None
         self.published = threading.Event()  # set once its adapter is on the engines (its episodes wait for it)
         self.grammar_masker = grammar_masker  # rebuilds constrained turns' masks (None: they stay out of the loss)
         self.source = source  # None: rewarded trajectories from the buffer
@@ -181,7 +174,6 @@ class TrainLoop:
         self.engines = engines
         self.settings = settings
         self.checkpoint_dir = Path(checkpoint_dir)
-        self.state = state or LoopState()
         self.on_step = on_step or (lambda state, metrics: None)
         self.on_event = on_event or (lambda kind, data: None)
         self.stop = threading.Event()
@@ -271,8 +263,8 @@ class TrainLoop:
         return _is_trainer_failure(e, alive if callable(alive) else None)
 
     def close(self) -> None:
-        if self.trainer is not None and self.adapter is not None and self.published.is_set():
-            self._save_adapter()
+        if self.trainer is not None and self.publisher is not None and self.published.is_set():
+            self.publisher.save(self.trainer, self.state.version)
         if self.trainer is not None:
             self.trainer.shutdown()
             self.trainer = None
@@ -284,10 +276,17 @@ class TrainLoop:
         s = self.settings
         pool = self.store.list_heads(status="finished", rewarded=True, unconsumed=True,
                                      limit=max(4 * s.batch_size, 256))
+        unowned: list[str] = []
+        if self.users is not None:  # per user: samples of no user are dropped, of users beyond the slots wait
+            trainable, no_user = self.users.split(pool)
+            pool, unowned = trainable, [t.id for t in no_user]
         sel = select(pool, batch_size=s.batch_size, group_size=s.n_samples_per_prompt, version=self.state.version,
                      max_staleness=s.max_staleness, stale_policy=s.stale_policy,
                      drop_zero_variance=s.drop_zero_variance_groups, group_timeout_s=s.group_timeout_s,
-                     now=self.clock())
+                     now=self.clock(), lag_of=self.users.lag if self.users is not None else None)
+        if unowned:
+            self.store.mark_consumed(unowned, DROPPED_STEP, self.job_id)
+            self.on_event("dropped", {"no_user": len(unowned), "version": self.state.version})
         if sel.drop_stale or sel.drop_flat or sel.drop_incomplete:
             mark = lambda ids: self.store.mark_consumed(ids, DROPPED_STEP, self.job_id) if ids else 0  # noqa: E731
             stale, flat, incomplete = mark(sel.drop_stale), mark(sel.drop_flat), mark(sel.drop_incomplete)
@@ -311,8 +310,12 @@ class TrainLoop:
                 self._reject([], rejected)
                 return None
         whole = self.store.get_trajectories_by_id([t.id for t in chosen])
-        return Batch(samples=[to_train_sample(t, self.grammar_masker) for t in whole], lags=lags, consume=[t.id for t in chosen],
-                     rejected=rejected)
+        samples = [to_train_sample(t, self.grammar_masker) for t in whole]
+        if self.users is not None:  # each through its user's adapter
+            samples = self.users.assign(whole, samples)
+            if self._unpublished is not None:
+                self._unpublished = list(dict.fromkeys([*self._unpublished, *self.users.users_of(whole)]))
+        return Batch(samples=samples, lags=lags, consume=[t.id for t in chosen], rejected=rejected)
 
     def _reject(self, kept: list[str], rejected: list[str]) -> None:
         """Rejection sampling's bookkeeping, once a batch's kept samples have trained (or none passed): the
@@ -473,8 +476,10 @@ class TrainLoop:
             self.state.checkpoints.append(ckpt)
             self.checkpoint_done.notify_all()
         self.on_event("checkpoint", ckpt.model_dump())
-        if self.adapter is not None:
-            self.adapter.saved(ckpt.version, str(Path(path) / ADAPTER_DIR))
+        if self.publisher is not None and self.users is not None:  # each user's adapter as PEFT loads it
+            self.publisher.save(self.trainer, ckpt.version, Path(path) / "users")
+        elif self.adapter is not None:
+            self.adapter.saved(self.adapter.alias, ckpt.version, str(Path(path) / ADAPTER_DIR))
         return ckpt
 
     def sync_engine(self, url: str) -> bool:
@@ -482,8 +487,8 @@ class TrainLoop:
         with self._push_lock:
             if self.trainer is None:
                 return False
-            if self.adapter is not None:  # a restarted engine lacks the adapter; its base weights never moved
-                stats = self.trainer.push_adapter([url], self.adapter.versioned(self.state.version))
+            if self.publisher is not None:  # a restarted engine lacks the adapters; its base weights never moved
+                stats = self.publisher.sync(self.trainer, url, self.state.version)
             else:
                 with self.push_guard():
                     stats = self.trainer.push_weights([url], self.state.version, self.settings.bucket_bytes)
@@ -506,43 +511,15 @@ class TrainLoop:
 
 
     def _publish(self) -> dict[str, Any]:
-        """The adapter's current version into every engine (nothing paused), the alias moved to it, the version it
-        left unloaded in the background."""
-        assert self.trainer is not None and self.adapter is not None
-        a = self.adapter
+        """The adapters' current version into every engine (nothing paused), each alias moved to it, the versions
+        they left unloaded in the background (trainer/adapter_publish.py). A per-user job publishes the users trained
+        since its last publication; a start or a restore, every user."""
+        assert self.trainer is not None and self.publisher is not None
         with self._push_lock:
-            urls = self.engines.urls()
-            name = a.versioned(self.state.version)
-            stats = self.trainer.push_adapter(urls, name)
-            previous = a.publish(name, self.state.version)
+            users, self._unpublished = self._unpublished, []
+            stats = self.publisher.publish(self.trainer, self.engines.urls(), self.state.version, users)
         self.published.set()
-        if previous and previous != name:
-            threading.Thread(target=self._unload_later, args=(previous,), name=f"unload-{previous}",
-                             daemon=True).start()
-        self.on_event("adapter_published", {"alias": a.alias, "name": name, "version": self.state.version,
-                                            "previous": previous, "engines": len(urls),
-                                            "seconds": stats.get("seconds"), "bytes": stats.get("bytes")})
         return stats
-
-
-    def _save_adapter(self) -> None:
-        """The version the job ends on, as a PEFT directory the engines can load again (after a restart, an
-        eviction): its alias outlives the job."""
-        assert self.trainer is not None and self.adapter is not None
-        path = self.adapter.save_dir / self.adapter.versioned(self.state.version)
-        try:
-            self.trainer.save_adapter(str(path))
-        except Exception as e:  # noqa: BLE001 - a dead rank: the last checkpoint's adapter stands
-            log.warning("could not save adapter version %s: %r", self.state.version, e)
-            return
-        self.adapter.saved(self.state.version, str(path))
-
-    def _unload_later(self, name: str) -> None:
-        """Unload a left version once every gateway has stopped routing new requests to it (their alias reads
-        expire after ``UNLOAD_AFTER_S``; a request that still reaches it is sent again by the gateway)."""
-        time.sleep(UNLOAD_AFTER_S)
-        assert self.adapter is not None
-        self.adapter.unload(name)
 
 
 def _is_trainer_failure(e: BaseException, alive: Callable[[], bool] | None = None) -> bool:

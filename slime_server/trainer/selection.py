@@ -15,7 +15,7 @@ finished, rewarded, unconsumed trajectories (oldest first):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -44,8 +44,12 @@ class Selection(BaseModel):
 
 def select(pool: Sequence[TrajectoryHead], *, batch_size: int, group_size: int, version: int,
            max_staleness: int | None, stale_policy: str, drop_zero_variance: bool,
-           group_timeout_s: float | None, now: float) -> Selection:
-    """Apply the rules above to ``pool`` (in buffer order) at policy ``version`` and wall time ``now``."""
+           group_timeout_s: float | None, now: float,
+           lag_of: Callable[[TrajectoryHead, int], int] | None = None) -> Selection:
+    """Apply the rules above to ``pool`` (in buffer order) at policy ``version`` and wall time ``now``. ``lag_of(t,
+    v)``: how many versions old ``t`` is when generated at ``v`` (default ``version - v``; a per-user job counts
+    its user's adapter versions, trainer/user_slots.py)."""
+    lag_of = lag_of or (lambda t, v: version - v)
     groups: dict[str, list[TrajectoryHead]] = {}
     for t in pool:
         groups.setdefault(t.group_id or t.id, []).append(t)
@@ -65,7 +69,8 @@ def select(pool: Sequence[TrajectoryHead], *, batch_size: int, group_size: int, 
         if any(v is None for v in versions):
             out.drop_flat += [t.id for t in members]
             continue
-        lag = version - min(v for v in versions if v is not None)
+        lags = [lag_of(t, v) for t, v in zip(members, versions, strict=True) if v is not None]
+        lag = max(lags)
         if max_staleness is not None and lag > max_staleness and stale_policy == "drop":
             out.drop_stale += [t.id for t in members]
             continue
@@ -75,7 +80,7 @@ def select(pool: Sequence[TrajectoryHead], *, batch_size: int, group_size: int, 
         if len(out.chosen) + len(members) > batch_size:
             continue
         out.chosen += members
-        out.lags += [version - (v if v is not None else 0) for v in versions]
+        out.lags += lags
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from slime_server.buffer.adapter_store import USER_ALIAS_PREFIX
 from slime_server.lora_format import PROJECTIONS
 from slime_server.trainer.advantages import AdvantageConfig
 
@@ -106,11 +107,20 @@ class LoRASettings(BaseModel):
     adapters: int = Field(1, ge=1, le=256, description="adapters trained side by side over the one frozen base, "
                           "each sample through its own (one per user); a step trains the adapters its samples name, "
                           "in one forward and backward over the shared base")
+    per: Literal["job", "user"] = Field(
+        "job", description="'job': one adapter, the job's alias; 'user': an online (live) job trains one adapter "
+        "per user (the principal of each call: an agent key, or a frontend key's X-Slime-User) on that user's own "
+        "rewarded turns, and the gateway serves each user's calls naming the served model through their own "
+        "adapter (the base until their first is published); up to 'adapters' users")
 
     @model_validator(mode="after")
     def _check(self) -> LoRASettings:
         if self.adapters > 1 and self.publish == "merged":
             raise ValueError("lora.publish 'merged' serves one policy: it cannot go with lora.adapters > 1")
+        if self.per == "user" and self.publish == "merged":
+            raise ValueError("lora.per 'user' publishes each user's adapter: it cannot go with lora.publish 'merged'")
+        if self.name is not None and self.name.startswith(USER_ALIAS_PREFIX):
+            raise ValueError(f"lora.name: names starting with {USER_ALIAS_PREFIX!r} are users' adapters")
         if self.target_modules != "all-linear":
             unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
             if unknown or not self.target_modules:
@@ -191,6 +201,15 @@ class Checkpoint(BaseModel):
     created_at: float = Field(default_factory=time.time)
 
 
+class UserSlot(BaseModel):
+    """A user's adapter in a per-user LoRA job (``lora.per = 'user'``): which of the trainer's stacked adapters is
+    theirs, and the versions published for them (the newest ``USER_VERSIONS_KEPT``), what their samples' staleness
+    is counted in."""
+
+    slot: int
+    versions: list[int] = Field(default_factory=list)
+
+
 class LoopState(BaseModel):
     """What survives a restart (persisted by the job layer after every step)."""
 
@@ -205,3 +224,4 @@ class LoopState(BaseModel):
     kept: int = 0  # rejection sampling: samples that passed and trained
     rejected: int = 0  # ... and those that did not (dropped, stored)
     waiting: str | None = None  # why the last look at the buffer found no batch (None: training)
+    users: dict[str, UserSlot] = Field(default_factory=dict)  # lora.per 'user': each user's adapter slot

@@ -1,0 +1,143 @@
+"""Issue 43, per-user learning (``lora.per = 'user'``) in the loop, on a real SQLite buffer and a real alias store:
+each sample trains its user's adapter slot (its session's owner), samples of no user are dropped, users beyond
+the slots wait in the buffer, a step publishes only the users it trained under their own alias, staleness is
+counted in each user's own adapter versions, and a restarted engine or the job's end gets every user's adapter.
+A recording stand-in for the trainer ranks (outside this unit; the real ranks train per user in
+test_lora_per_user.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slime_server.buffer.adapter_store import SQLiteAdapterStore, user_alias
+from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+from slime_server.jobs.adapters import publication
+from slime_server.jobs.spec import JobSpec
+from slime_server.trainer.loop import EngineControl, TrainLoop
+from slime_server.trainer.settings import LoopSettings
+from tests._loop_helpers import RecordingTrainer, add
+
+ALICE, BOB, CAROL = "key:fe/alice", "key:fe/bob", "key:k_carol"
+
+
+class AdapterTrainer(RecordingTrainer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapter_pushes: list[tuple[list[str], str, int | None]] = []
+        self.saved: list[tuple[str, int | None]] = []
+
+    def push_adapter(self, urls, name, adapter=None):
+        self.adapter_pushes.append((list(urls), name, adapter))
+        return {"seconds": 0.01, "bytes": 100}
+
+    def save_adapter(self, path, base_model=None, adapter=None):
+        self.saved.append((path, adapter))
+        return path
+
+
+@pytest.fixture
+def stores(tmp_path: Path):
+    s, a = SQLiteTrajectoryStore(tmp_path / "buffer.db"), SQLiteAdapterStore(tmp_path / "buffer.db")
+    yield s, a
+    s.close()
+
+
+def per_user_loop(stores: Any, tmp_path: Path, slots: int = 2, **settings: Any
+                  ) -> tuple[TrainLoop, AdapterTrainer, list[tuple[str, dict[str, Any]]]]:
+    store, adapters = stores
+    spec = JobSpec(algorithm="reinforce_plus_plus", data={"source": "live"},
+                   lora={"rank": 4, "per": "user", "adapters": slots})
+    engines = EngineControl(lambda: ["http://engine-a"])
+    trainer, events = AdapterTrainer(), []
+    lp = TrainLoop(store, lambda: trainer, engines, LoopSettings(**settings), tmp_path, job_id="job-u",
+                   adapter=publication(spec, "job-u", adapters, engines, tmp_path),
+                   on_event=lambda k, d: events.append((k, d)))
+    lp.start_trainer()
+    return lp, trainer, events
+
+
+def test_each_user_trains_and_publishes_only_their_own_adapter(stores, tmp_path: Path) -> None:
+    store, adapters = stores
+    lp, trainer, events = per_user_loop(stores, tmp_path, batch_size=4, advantage={"estimator": "reinforce_plus_plus"})
+    assert trainer.adapter_pushes == [] and lp.published.is_set()  # no user yet: nothing to publish, base serves
+    ids = [add(store, "a0", owner=ALICE), add(store, "b0", owner=BOB, reward=0.0), add(store, "a1", owner=ALICE),
+           add(store, "b1", owner=BOB, reward=0.0)]
+    admin = add(store, "admin0", owner=None)  # no user: nothing to train it into
+    assert lp.step_once() is not None
+    batch = trainer.batches[0]
+    assert [s.sample_id for s in batch] == ids
+    assert [s.adapter for s in batch] == [0, 1, 0, 1]  # slots in order of arrival
+    assert lp.state.users[ALICE].slot == 0 and lp.state.users[BOB].slot == 1
+    assert store.get_trajectory(admin).consumed_step == -1
+    assert ("dropped", {"no_user": 1, "version": 0}) in events
+    a_alias, b_alias = user_alias(ALICE), user_alias(BOB)
+    assert [(n, slot) for _, n, slot in trainer.adapter_pushes] == [(f"{a_alias}@job-u.v1", 0),
+                                                                    (f"{b_alias}@job-u.v1", 1)]
+    assert adapters.get(a_alias).version == 1 and adapters.get(b_alias).version == 1
+
+    # a step of Alice's samples alone publishes only hers; Bob's alias stays where it was
+    [add(store, f"a{i}", owner=ALICE, reward=float(i % 2)) for i in range(2, 6)]
+    assert lp.step_once() is not None
+    assert {s.adapter for s in trainer.batches[1]} == {0}
+    assert [n for _, n, _ in trainer.adapter_pushes[2:]] == [f"{a_alias}@job-u.v2"]
+    assert adapters.get(a_alias).version == 2 and adapters.get(b_alias).version == 1
+    assert adapters.get(a_alias).previous == f"{a_alias}@job-u.v1"  # the left version, unloaded when drained
+    assert lp.state.users[ALICE].versions == [1, 2] and lp.state.users[BOB].versions == [1]
+    published = [d for k, d in events if k == "user_adapters_published"]
+    assert [p["aliases"] for p in published] == [[a_alias, b_alias], [a_alias]]
+
+    # a restarted engine gets every user's current version; the job's end saves each user's adapter
+    lp.sync_engine("http://engine-b")
+    assert trainer.adapter_pushes[-2:] == [(["http://engine-b"], f"{a_alias}@job-u.v2", 0),
+                                           (["http://engine-b"], f"{b_alias}@job-u.v1", 1)]
+    lp.close()
+    assert [slot for _, slot in trainer.saved] == [0, 1]
+    assert adapters.get(a_alias).saved_version == 2 and adapters.get(b_alias).saved_version == 2
+
+
+def test_users_beyond_the_slots_wait_in_the_buffer(stores, tmp_path: Path) -> None:
+    store, _ = stores
+    lp, trainer, events = per_user_loop(stores, tmp_path, slots=2, batch_size=2,
+                                        advantage={"estimator": "reinforce_plus_plus"})
+    add(store, "a0", owner=ALICE)
+    add(store, "b0", owner=BOB, reward=0.0)
+    carol = [add(store, f"c{i}", owner=CAROL, reward=float(i)) for i in range(2)]
+    assert lp.step_once() is not None  # Alice and Bob take the two slots
+    assert lp.step_once() is None  # Carol has none: her samples wait, untrained, unconsumed
+    assert set(lp.state.users) == {ALICE, BOB} and lp.users is not None and lp.users.waiting_users == {CAROL}
+    assert [store.get_trajectory(t).consumed_step for t in carol] == [None, None]
+    assert len(trainer.batches) == 1
+
+
+def test_staleness_counts_the_users_own_versions(stores, tmp_path: Path) -> None:
+    store, _ = stores
+    lp, trainer, _ = per_user_loop(stores, tmp_path, batch_size=2, max_staleness=0, stale_policy="drop",
+                                   advantage={"estimator": "reinforce_plus_plus"})
+    add(store, "a0", owner=ALICE)
+    add(store, "a1", owner=ALICE, reward=0.0)
+    assert lp.step_once() is not None  # Alice's adapter: version 1
+    for i in range(2, 6):  # ... versions 2 and 3, each step on samples her newest version generated
+        add(store, f"a{i}", owner=ALICE, version=lp.state.version, reward=float(i % 2))
+        if i % 2:
+            assert lp.step_once() is not None
+    assert lp.state.version == 3 and lp.state.users[ALICE].versions == [1, 2, 3]
+    # Bob's samples of the base (version 0) are 3 job versions old but fresh for Bob, whose adapter never moved;
+    # Alice's of version 2 are one of her versions old: dropped at max_staleness 0
+    stale = [add(store, f"a-old{i}", owner=ALICE, version=2, reward=float(i)) for i in range(2)]
+    bob = [add(store, f"b{i}", owner=BOB, reward=float(i)) for i in range(2)]
+    assert lp.step_once() is not None
+    assert [s.sample_id for s in trainer.batches[-1]] == bob
+    assert lp.state.dropped_stale == 2 and all(store.get_trajectory(t).consumed_step == -1 for t in stale)
+
+
+def test_a_per_user_job_is_refused_off_live_data_or_merged() -> None:
+    with pytest.raises(ValueError, match="data.source must be 'live'"):
+        JobSpec(algorithm="grpo", data={"source": "dataset", "environment": "calculator"},
+                lora={"per": "user", "adapters": 2})
+    with pytest.raises(ValueError, match="lora.publish 'merged'"):
+        JobSpec(algorithm="grpo", lora={"per": "user", "publish": "merged"})
+    with pytest.raises(ValueError, match="users' adapters"):
+        JobSpec(algorithm="grpo", lora={"name": "user-abc"})

@@ -1,0 +1,163 @@
+"""Issue 43's acceptance for per-user learning: two users with opposite tastes, live through /v1, each learns their
+own adapter from their own rewarded conversations (``lora: {per: user}`` on a live job).
+
+The model is the demo's warm start (``tiny-calc``): it answers a word problem with a well-formed calculator call,
+an addition about a third of the time (the problems ask for +, - or *, and it picks the operator asked only about
+half of the time). A front end holds a frontend key and says per call which of its users it acts for
+(``X-Slime-User``). Alice likes additions, Bob any other calculation; after each answer the front end rewards the
+session by its user's taste (+1 liked, -1 otherwise). Both play
+concurrently, every call naming the served model: the gateway answers each through their own adapter once the
+job has published one, the base before. Afterwards Alice's addition rate has risen and Bob's fallen, each
+by more than three standard deviations of a difference of two measured rates (binomial, at the base's measured
+rate); the base (the admin's calls: no user) answers at its old rate, its weights never moved, and no request
+failed. CPU engine with LoRA on, the real sgl-router, Ray ranks of Megatron-core, the openai SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from slime_server.buffer.adapter_store import user_alias
+from slime_server.demo_learning import calculator_warm_start, demo_rows
+from slime_server.envs.calculator import CalculatorEnv
+from tests._jobs_helpers import ADMIN, admin, engine_versions, running_stack, wait_event, wait_job
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+ROWS = demo_rows(256, seed=5)
+TOOLS = CalculatorEnv().tools()
+PER_ROUND = 32  # conversations per user per round: one train step each (batch 32, both users' samples mixed)
+N_EVAL = 128
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with running_stack(calculator_warm_start(), tmp_path_factory.mktemp("per-user"), engines=1,
+                       ray={"num_cpus": 3}, engine={"enable_lora": True, "max_lora_rank": 8}) as running:
+        yield running
+
+
+def operator_of(message: Any) -> str | None:
+    """The operator of the answer's calculator call (None: no call, or not one operator)."""
+    for call in message.tool_calls or []:
+        try:
+            expression = str(json.loads(call.function.arguments).get("expression", ""))
+        except (ValueError, AttributeError):
+            continue
+        ops = re.findall(r"[-+*/]", expression)
+        return ops[0] if len(ops) == 1 else None
+    return None
+
+
+async def play(base_url: str, key: str, user: str | None, n: int, *, reward: bool, seed: int) -> list[bool | str]:
+    """``n`` one-turn conversations, 8 at a time, as ``user`` (None: the key's own calls): whether each answer was
+    an addition (or the error); each session rewarded by the user's taste when ``reward``."""
+    headers = {"X-Slime-User": user} if user else {}
+    client = AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120, default_headers=headers)
+    rest = httpx.AsyncClient(base_url=base_url, timeout=120, headers={"Authorization": f"Bearer {key}", **headers})
+    model = (await client.models.list()).data[0].id
+    sem = asyncio.Semaphore(8)
+
+    async def one(i: int) -> bool | str:
+        row = ROWS[(seed * 31 + i) % len(ROWS)]
+        sid = f"{user or 'base'}-{seed}-{i}-{uuid.uuid4().hex[:6]}"
+        async with sem:
+            try:
+                r = await client.chat.completions.create(
+                    model=model, messages=[{"role": "system", "content": CalculatorEnv.system_prompt},
+                                           {"role": "user", "content": row.prompt}],
+                    tools=TOOLS, max_tokens=40, temperature=1.0, extra_headers={"X-Session-Id": sid})
+                plus = operator_of(r.choices[0].message) == "+"
+                if reward:  # Alice likes additions, Bob any other calculation (no call at all: neither)
+                    liked = plus if user == "alice" else operator_of(r.choices[0].message) in ("-", "*", "/")
+                    (await rest.post(f"/sessions/{sid}/reward", json={"reward": 1.0 if liked else -1.0})
+                     ).raise_for_status()
+                return plus
+            except Exception as e:  # noqa: BLE001 - counted: no request may fail
+                return repr(e)
+
+    try:
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+    finally:
+        await client.close()
+        await rest.aclose()
+
+
+def rate(flags: list[bool | str]) -> float:
+    return sum(f is True for f in flags) / len(flags)
+
+
+def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> None:
+    with admin(server) as c:
+        minted = c.post("/admin/keys", json={"role": "frontend", "name": "web"}).raise_for_status().json()
+    front, base_url = minted["key"], server.base_url
+    errors: list[str] = []
+
+    async def both(n: int, seed: int, reward: bool = True) -> tuple[list[bool | str], list[bool | str]]:
+        a, b = await asyncio.gather(play(base_url, front, "alice", n, reward=reward, seed=seed),
+                                    play(base_url, front, "bob", n, reward=reward, seed=seed + 1))
+        errors.extend(f for f in a + b if isinstance(f, str))
+        return a, b
+
+    # the base's rate, and the margin it gives
+    before = asyncio.run(play(base_url, ADMIN, None, N_EVAL, reward=False, seed=0))
+    p = rate(before)
+    margin = 3 * math.sqrt(2 * p * (1 - p) / N_EVAL)
+    assert p - margin > 0 and p + margin < 1, p  # room to move both ways
+
+    body = {"name": "per-user", "algorithm": "reinforce_plus_plus", "data": {"source": "live"},
+            "optimizer": {"lr": 1.5e-3}, "lora": {"rank": 8, "alpha": 16, "per": "user", "adapters": 2},
+            "loop": {"batch_size": PER_ROUND, "n_samples_per_prompt": 1, "max_staleness": 2,
+                     "poll_interval_s": 0.05, "checkpoint_interval": 1000}}
+    with admin(server) as c:
+        job = c.post("/jobs", json=body).raise_for_status().json()
+    wait_event(server, job["id"], "trainer_ready")
+    step, rounds = 0, 0
+    while step < 24 and rounds < 24:  # each round's turns trained before the next is played
+        played = asyncio.run(both(PER_ROUND, seed=100 + rounds))
+        print(f"round {rounds}: addition rate alice {rate(played[0]):.2f}, bob {rate(played[1]):.2f}")
+        step = wait_job(server, job["id"], lambda j, s=step: j["step"] >= s + 2)["step"]  # noqa: B023
+        rounds += 1
+    with admin(server) as c:  # no more updates while we measure
+        c.post(f"/jobs/{job['id']}/pause").raise_for_status()
+    wait_job(server, job["id"], lambda j: j["status"] == "paused")
+
+    alice, bob = asyncio.run(both(N_EVAL, seed=7, reward=False))
+    after = asyncio.run(play(base_url, ADMIN, None, N_EVAL, reward=False, seed=0))
+    print(f"addition rate: base {p:.2f} -> {rate(after):.2f}; alice {rate(alice):.2f}, bob {rate(bob):.2f}; "
+          f"margin {margin:.2f}; {step} steps in {rounds} rounds")
+    assert errors == []
+    assert rate(alice) > p + margin and rate(bob) < p - margin
+    assert abs(rate(after) - p) < margin  # the base answers as before
+    assert engine_versions(server) == ["0"]  # ... its weights never moved: only adapters were published
+
+    # each user has their own alias, hidden from /v1/models; the engines serve their current versions
+    aliases = server.gateway.server.config.app.state.gw.adapters.aliases
+    mine = {u: aliases.get(user_alias(f"key:{minted['id']}/{u}")) for u in ("alice", "bob")}
+    assert all(r is not None and r.version >= 1 for r in mine.values()), mine
+    with admin(server) as c:
+        listed = [m["id"] for m in c.get("/v1/models").json()["data"]]
+    assert not any("user-" in m for m in listed), listed
+    served_name = Path(server.deployment.model_path).name
+    alice_alias = mine["alice"].alias
+    for user, status in (("bob", 404), ("alice", 200)):  # a user's adapter answers them alone
+        r = httpx.post(f"{base_url}/chat/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {front}", "X-Slime-User": user},
+                       json={"model": f"{served_name}:{alice_alias}", "max_tokens": 4,
+                             "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == status, r.text
+        if status == 404:
+            assert r.json()["error"]["code"] == "model_not_found"
+    store = server.gateway.server.config.app.state.gw.store
+    served = {t.turns[0].lora_adapter or "base" for t in store.list_trajectories(limit=100_000) if t.turns}
+    assert all(any(n.startswith(f"{r.alias}@{job['id']}.v") for n in served) for r in mine.values()), served
