@@ -28,6 +28,7 @@ class AdapterTrainer(RecordingTrainer):
         super().__init__()
         self.adapter_pushes: list[tuple[list[str], str, int | None]] = []
         self.saved: list[tuple[str, int | None]] = []
+        self.slots_set: list[tuple[int, str | None]] = []
 
     def push_adapter(self, urls, name, adapter=None):
         self.adapter_pushes.append((list(urls), name, adapter))
@@ -36,6 +37,10 @@ class AdapterTrainer(RecordingTrainer):
     def save_adapter(self, path, base_model=None, adapter=None):
         self.saved.append((path, adapter))
         return path
+
+    def set_adapter(self, adapter, path=None):
+        self.slots_set.append((adapter, path))
+        return {}
 
 
 @pytest.fixture
@@ -98,18 +103,50 @@ def test_each_user_trains_and_publishes_only_their_own_adapter(stores, tmp_path:
     assert adapters.get(a_alias).saved_version == 2 and adapters.get(b_alias).saved_version == 2
 
 
-def test_users_beyond_the_slots_wait_in_the_buffer(stores, tmp_path: Path) -> None:
-    store, _ = stores
-    lp, trainer, events = per_user_loop(stores, tmp_path, slots=2, batch_size=2,
+def test_more_users_than_slots_take_turns(stores, tmp_path: Path) -> None:
+    """Three users, two slots: a step trains at most two users (the third waits in the buffer); a newcomer takes
+    the slot of the user trained least recently outside the step, who is published, saved and parked; a parked
+    user coming back gets a slot again with their saved adapter loaded into it."""
+    store, adapters = stores
+    lp, trainer, events = per_user_loop(stores, tmp_path, slots=2, batch_size=4,
                                         advantage={"estimator": "reinforce_plus_plus"})
+    a, b, c = user_alias(ALICE), user_alias(BOB), user_alias(CAROL)
     add(store, "a0", owner=ALICE)
     add(store, "b0", owner=BOB, reward=0.0)
     carol = [add(store, f"c{i}", owner=CAROL, reward=float(i)) for i in range(2)]
-    assert lp.step_once() is not None  # Alice and Bob take the two slots
-    assert lp.step_once() is None  # Carol has none: her samples wait, untrained, unconsumed
-    assert set(lp.state.users) == {ALICE, BOB} and lp.users is not None and lp.users.waiting_users == {CAROL}
+    add(store, "a1", owner=ALICE, reward=0.0)
+    add(store, "b1", owner=BOB)
+    assert lp.step_once() is not None  # Alice and Bob: the two slots; Carol's samples wait
+    assert {s.adapter for s in trainer.batches[0]} == {0, 1} and lp.users is not None
+    assert lp.users.waiting_users == {CAROL}
     assert [store.get_trajectory(t).consumed_step for t in carol] == [None, None]
-    assert len(trainer.batches) == 1
+    assert trainer.slots_set == []  # fresh slots need nothing
+
+    add(store, "a2", owner=ALICE)
+    add(store, "a3", owner=ALICE, reward=0.0)
+    assert lp.step_once() is not None  # Carol's two and Alice's two: Bob (not in the step) gives up his slot
+    bob_slot = 1
+    assert [s.adapter for s in trainer.batches[1]] == [bob_slot, bob_slot, 0, 0]
+    assert set(lp.state.users) == {ALICE, CAROL} and set(lp.state.parked) == {BOB}
+    parked = lp.state.parked[BOB].parked
+    assert parked is not None and (parked, bob_slot) in trainer.saved
+    assert trainer.slots_set == [(bob_slot, None)]  # Carol starts fresh
+    assert adapters.get(b).saved_path == parked and adapters.get(b).saved_version == 1  # his alias stays, saved
+    assert adapters.get(c).version == 2 and adapters.get(a).version == 2
+
+    add(store, "b2", owner=BOB)
+    add(store, "b3", owner=BOB, reward=0.0)
+    add(store, "c2", owner=CAROL)
+    add(store, "c3", owner=CAROL, reward=0.0)
+    assert lp.step_once() is not None  # Bob is back: Alice (not in the step) is parked, Bob's adapter loaded
+    assert set(lp.state.users) == {BOB, CAROL} and set(lp.state.parked) == {ALICE}
+    assert trainer.slots_set[-1] == (0, parked)
+    assert lp.state.users[BOB].versions == [1, 3]  # his versions went with him
+    assert [d["parked"] for k, d in events if k == "user_slot"] == [True, True]
+    # restored from step 1's checkpoint, whose slots were Alice's and Bob's: both slots are loaded again with what
+    # their holders now were seated with (Carol fresh, Bob his saved adapter); from no checkpoint, only Bob's
+    assert sorted(lp.users.reseat(1), key=str) == sorted([(1, None), (0, parked)], key=str)
+    assert lp.users.reseat(None) == [(0, parked)]
 
 
 def test_staleness_counts_the_users_own_versions(stores, tmp_path: Path) -> None:

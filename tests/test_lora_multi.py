@@ -123,3 +123,35 @@ def test_a_step_changes_only_the_adapters_it_trains(model_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True))
     for u in (0, 2):
         assert not torch.equal(before[u][0], after[u][0])
+
+
+def test_a_slot_is_given_to_another_user_fresh_or_from_their_saved_adapter(model_path: Path, tmp_path: Path) -> None:
+    """A per-user job's slot changing hands: fresh (A as the slot started, B = 0) or a parked user's adapter loaded
+    back, its Adam moments zeroed, every other slot bit for bit."""
+    from slime_server.trainer.adapter_isolation import set_adapter
+    from slime_server.trainer.peft_io import read_peft_adapter, save_peft_adapter
+
+    samples = _users(make_batch(vocab_size=101, n=6, seed=4))
+    step = TrainStepSettings(max_tokens_per_micro_batch=96, share_prefixes=False, loss=LossConfig(loss_type="grpo"))
+    with parallel_context(tp_size=1):
+        bundle = build_optimizer(_model(model_path, LORA), OptimizerSettings(lr=1e-2))
+        fresh = build_optimizer(_model(model_path, LORA), OptimizerSettings(lr=1e-2))
+        train_step(bundle, samples, step)  # every slot trained: moments everywhere
+        params = stacked_adapters(bundle.model)
+        before = [p.detach().clone() for p in params]
+        save_peft_adapter(tmp_path / "parked", bundle.model, LORA, str(model_path), 1)  # user 1's adapter, saved
+        parked = read_peft_adapter(tmp_path / "parked")[1]
+        set_adapter(bundle, 1, None, seed=7)  # _model attaches with seed 7
+        names = [n for n, q in unwrap(bundle.model).named_parameters() if q.dim() == 3 and q.requires_grad]
+        for name, p, start, old in zip(names, params, stacked_adapters(fresh.model), before, strict=True):
+            if name.endswith("lora_B"):  # as the slot started: B = 0, A its own start
+                assert float(p[1].abs().max()) == 0, name
+            else:
+                assert torch.equal(p[1], start[1]), name
+            assert torch.equal(p[0], old[0]) and torch.equal(p[2], old[2])
+        moments = [t for opt in _torch_optimizers(bundle) for p in params for t in opt.state.get(p, {}).values()
+                   if isinstance(t, torch.Tensor) and t.shape == p.shape]
+        assert moments and all(float(t[1].abs().max()) == 0 and float(t[0].abs().max()) > 0 for t in moments)
+        set_adapter(bundle, 1, parked, seed=7)  # the parked user back in the slot
+        for p, old in zip(params, before, strict=True):
+            assert torch.equal(p, old)

@@ -19,6 +19,7 @@ import asyncio
 import json
 import math
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,12 +32,12 @@ from openai import AsyncOpenAI
 from slime_server.buffer.adapter_store import user_alias
 from slime_server.demo_learning import calculator_warm_start, demo_rows
 from slime_server.envs.calculator import CalculatorEnv
-from tests._jobs_helpers import ADMIN, admin, engine_versions, running_stack, wait_event, wait_job
+from tests._jobs_helpers import ADMIN, admin, engine_versions, job_events, running_stack, wait_event, wait_job
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 ROWS = demo_rows(256, seed=5)
 TOOLS = CalculatorEnv().tools()
-PER_ROUND = 32  # conversations per user per round: one train step each (batch 32, both users' samples mixed)
+PER_ROUND = 32  # conversations per user per round: one train step a round (both users' samples in it)
 N_EVAL = 128
 
 
@@ -117,16 +118,16 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
 
     body = {"name": "per-user", "algorithm": "reinforce_plus_plus", "data": {"source": "live"},
             "optimizer": {"lr": 1.5e-3}, "lora": {"rank": 8, "alpha": 16, "per": "user", "adapters": 2},
-            "loop": {"batch_size": PER_ROUND, "n_samples_per_prompt": 1, "max_staleness": 2,
+            "loop": {"batch_size": 2 * PER_ROUND, "n_samples_per_prompt": 1, "max_staleness": 2,
                      "poll_interval_s": 0.05, "checkpoint_interval": 1000}}
     with admin(server) as c:
         job = c.post("/jobs", json=body).raise_for_status().json()
     wait_event(server, job["id"], "trainer_ready")
     step, rounds = 0, 0
-    while step < 24 and rounds < 24:  # each round's turns trained before the next is played
+    while step < 12 and rounds < 12:  # each round's turns trained before the next is played
         played = asyncio.run(both(PER_ROUND, seed=100 + rounds))
         print(f"round {rounds}: addition rate alice {rate(played[0]):.2f}, bob {rate(played[1]):.2f}")
-        step = wait_job(server, job["id"], lambda j, s=step: j["step"] >= s + 2)["step"]  # noqa: B023
+        step = wait_job(server, job["id"], lambda j, s=step: j["step"] >= s + 1)["step"]  # noqa: B023
         rounds += 1
     with admin(server) as c:  # no more updates while we measure
         c.post(f"/jobs/{job['id']}/pause").raise_for_status()
@@ -161,3 +162,27 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
     store = server.gateway.server.config.app.state.gw.store
     served = {t.turns[0].lora_adapter or "base" for t in store.list_trajectories(limit=100_000) if t.turns}
     assert all(any(n.startswith(f"{r.alias}@{job['id']}.v") for n in served) for r in mine.values()), served
+
+    # a third user with two slots: Carol's step takes the slot of Alice or Bob (saved, parked); their next step
+    # takes Carol's and loads the parked adapter back: both still answer to their taste
+    with admin(server) as c:
+        c.post(f"/jobs/{job['id']}/resume").raise_for_status()
+    for players in (("carol",), ("alice", "bob")):
+        async def round_of(players: tuple[str, ...] = players, seed: int = 900 + len(players)) -> None:
+            played = await asyncio.gather(*(play(base_url, front, u, 2 * PER_ROUND // len(players), reward=True,
+                                                 seed=seed + i)
+                                            for i, u in enumerate(players)))
+            errors.extend(f for flags in played for f in flags if isinstance(f, str))
+        t0 = time.monotonic()
+        asyncio.run(round_of())
+        print(f"{players} played in {time.monotonic() - t0:.1f} s", flush=True)
+        step = wait_job(server, job["id"], lambda j, s=step: j["step"] >= s + 1)["step"]
+        print(f"{players} trained at {time.monotonic() - t0:.1f} s", flush=True)
+    with admin(server) as c:
+        c.post(f"/jobs/{job['id']}/pause").raise_for_status()
+        moves = [e["data"] for e in job_events(c, job["id"]) if e["kind"] == "user_slot"]
+    wait_job(server, job["id"], lambda j: j["status"] == "paused")
+    assert [(m["parked"], m["restored"]) for m in moves][:2] == [(True, False), (True, True)], moves
+    alice, bob = asyncio.run(both(N_EVAL, seed=9, reward=False))
+    print(f"after the slots changed hands: alice {rate(alice):.2f}, bob {rate(bob):.2f}")
+    assert errors == [] and rate(alice) > p + margin and rate(bob) < p - margin

@@ -6,6 +6,14 @@ from the registry, the adapters random rank-``--rank`` PEFT directories on every
 names, loaded through ``--lora-paths``). Greedy, EOS ignored, ``--new`` tokens per request.
 
     python tools/bench_lora.py [--rank 16] [--adapters 8] [--new 64] [--rounds 3] [--threads 2] [--json out]
+
+``--updates SECONDS``: other users' latency while one adapter updates every SECONDS vs no updates. Each of the
+adapters' users sends request after request (``--new`` tokens each); in the update phases, user 0's adapter is
+loaded again under a new versioned name every SECONDS (``load_tensors``, SGLang's
+``/load_lora_adapter_from_tensors`` path after its HTTP and unpickling) and the left version unloaded (it waits for
+its requests), as a per-user job publishes; user 0 follows to each new version. Phases of ``--phase`` seconds
+alternate (quiet, updates) ``--rounds`` times; the p50 / p99 of the other users' request latencies per kind of
+phase, their ratio, and failed requests.
 """
 
 from __future__ import annotations
@@ -61,6 +69,75 @@ def run_batch(engine: CPUEngine, loras: list[object], new: int, prompt_len: int)
     return sum(len(s.output_ids) for s in seqs) / elapsed
 
 
+def latency_phases(engine: CPUEngine, dirs: list[Path], args: argparse.Namespace) -> dict[str, object]:
+    """The ``--updates`` measurement (see the module's docstring)."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    params = SamplingParams(max_new_tokens=args.new, temperature=0.0, ignore_eos=True)
+    config = json.loads((dirs[0] / CONFIG_FILE).read_text())
+    weights = load_file(str(dirs[0] / WEIGHTS_FILE))
+    current = ["a0"]  # user 0's adapter name now
+    failed: list[str] = []
+    latencies: dict[str, list[float]] = {"quiet": [], "updates": []}
+    phase = ["quiet"]
+    stop = threading.Event()
+
+    def user(k: int) -> None:
+        prompt = [100 + (7 * k + j) % 3000 for j in range(args.prompt)]
+        while not stop.is_set():
+            name, kind = current[0] if k == 0 else f"a{k}", phase[0]
+            try:
+                seq = engine.new_sequences(prompt, params, lora=engine.adapters.resolve(name))[0]
+                t0 = time.perf_counter()
+                engine.submit(seq)
+                if not seq.done.wait(600):
+                    raise TimeoutError("no answer in 600 s")
+            except Exception as e:  # noqa: BLE001 - counted
+                if k == 0 and name != current[0]:
+                    continue  # user 0 raced its own version's unload: it asks the new one (the gateway re-sends)
+                failed.append(f"user {k}: {e!r}")
+                continue
+            if k > 0 and phase[0] == kind:
+                latencies[kind].append(time.perf_counter() - t0)
+
+    def updater() -> None:
+        version = 0
+        while not stop.is_set():
+            if phase[0] != "updates":
+                time.sleep(0.05)
+                continue
+            version += 1
+            name = f"a0.v{version}"
+            engine.adapters.load_tensors(name, config, {k: v * (1 + 0.01 * version) for k, v in weights.items()})
+            left, current[0] = current[0], name
+            engine.adapters.unload(left)
+            stop.wait(args.updates)
+
+    threads = [threading.Thread(target=user, args=(k,), daemon=True) for k in range(args.adapters)]
+    threads.append(threading.Thread(target=updater, daemon=True))
+    for t in threads:
+        t.start()
+    for _ in range(args.rounds):
+        for kind in ("quiet", "updates"):
+            phase[0] = kind
+            time.sleep(args.phase)
+    stop.set()
+    for t in threads:
+        t.join(60)
+
+    def pct(xs: list[float], q: float) -> float:
+        return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+    out: dict[str, object] = {k: {"requests": len(v), "p50_s": pct(v, 0.5), "p99_s": pct(v, 0.99)}
+                              for k, v in latencies.items()}
+    out["p99_ratio"] = pct(latencies["updates"], 0.99) / pct(latencies["quiet"], 0.99)
+    out["p50_ratio"] = pct(latencies["updates"], 0.5) / pct(latencies["quiet"], 0.5)
+    out["failed"] = failed
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rank", type=int, default=16)
@@ -70,6 +147,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--updates", type=float, default=None, help="seconds between one adapter's updates: measure "
+                    "the other users' latency with and without them")
+    ap.add_argument("--phase", type=float, default=20.0, help="--updates: seconds of each phase")
     args = ap.parse_args()
     from transformers import AutoConfig
 
@@ -79,7 +159,19 @@ def main() -> None:
         dirs = [write_adapter(Path(tmp) / f"a{k}", config, args.rank, k) for k in range(args.adapters)]
         engine = CPUEngine(EngineConfig(
             model_path=str(path), num_threads=args.threads, enable_lora=True, max_lora_rank=args.rank,
-            max_loras_per_batch=args.adapters + 1, lora_paths=[f"a{k}={d}" for k, d in enumerate(dirs)]))
+            max_loras_per_batch=args.adapters + 1, max_loaded_loras=args.adapters + 2,
+            lora_paths=[f"a{k}={d}" for k, d in enumerate(dirs)]))
+        if args.updates is not None:
+            try:
+                result = {"threads": args.threads, "rank": args.rank, "adapters": args.adapters,
+                          "new_tokens": args.new, "update_every_s": args.updates, "phase_s": args.phase,
+                          "rounds": args.rounds, **latency_phases(engine, dirs, args)}
+            finally:
+                engine.shutdown()
+            print(json.dumps(result, indent=2))
+            if args.json:
+                Path(args.json).write_text(json.dumps(result, indent=2))
+            return
         try:
             adapters = [engine.adapters.resolve(f"a{k}") for k in range(args.adapters)]
             run_batch(engine, [None] * args.adapters, 8, args.prompt)  # warm up both paths

@@ -242,6 +242,16 @@ class TrainerRank:
         self.step, self.policy_version = meta.step, meta.policy_version
         return {"step": self.step, "policy_version": self.policy_version}
 
+    def set_adapter(self, adapter: int, path: str | None = None) -> dict[str, Any]:
+        """Adapter ``adapter`` of a multi-adapter trainer becomes the PEFT directory ``path`` (None: a fresh one),
+        its Adam moments zeroed (collective): a per-user job giving a slot to another user."""
+        from slime_server.trainer.adapter_isolation import set_adapter
+        from slime_server.trainer.peft_io import read_peft_adapter
+
+        tensors = read_peft_adapter(path)[1] if path is not None else None
+        set_adapter(self._ready(), adapter, tensors, self.settings.seed)
+        return {"adapter": adapter, "path": path}
+
     def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str:
         """The LoRA adapter (``adapter`` of a multi-adapter trainer) as a PEFT directory at ``path`` (collective;
         rank 0 writes)."""
@@ -407,6 +417,9 @@ class TrainerGroup:
 
     def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str:
         return self._all("save_adapter", path, base_model, adapter)[0]
+
+    def set_adapter(self, adapter: int, path: str | None = None) -> dict[str, Any]:
+        return self._all("set_adapter", adapter, path)[0]
 
     def node_ids(self) -> list[str]:
         """The Ray node of every rank."""

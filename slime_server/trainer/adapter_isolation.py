@@ -67,3 +67,38 @@ def only_adapters(bundle: Any, used: set[int]) -> Iterator[None]:
     with torch.no_grad():
         for t, rows in saved:
             t.index_copy_(0, index, rows)
+
+
+def set_adapter(bundle: Any, slot: int, tensors: dict[str, torch.Tensor] | None, seed: int) -> None:
+    """Adapter ``slot`` of a multi-adapter trainer becomes ``tensors`` (full, under global Megatron names: a parked
+    user's adapter coming back) or a fresh adapter (A as ``attach_lora`` starts that slot, B = 0: the base's
+    answers), with no Adam history; every other adapter untouched (collective: the adapters are gathered)."""
+    from slime_server.lora_format import parse_tensor_name
+    from slime_server.trainer.lora import initial_a
+    from slime_server.trainer.peft_io import adapter_state, load_adapter_state, peft_name
+
+    state = adapter_state(bundle.model, copy=True)
+    if tensors is not None and set(tensors) != set(state):
+        raise ValueError(f"the adapter for slot {slot} does not target this trainer's modules")
+    for key, full in state.items():
+        if tensors is not None:
+            row = tensors[key]
+        elif key.endswith("lora_B"):
+            row = torch.zeros_like(full[slot])
+        else:
+            layer, part, _ = parse_tensor_name(peft_name(key))
+            row = initial_a(seed + 7919 * slot, layer, part, full.shape[-2], full.shape[-1])
+        if row.shape != full[slot].shape:
+            raise ValueError(f"{key}: shape {tuple(row.shape)}, this trainer's adapters {tuple(full[slot].shape)}")
+        full[slot] = row.to(full.dtype)
+    load_adapter_state(bundle.model, state)
+    copies, owner = _optimizer_copies(bundle.optimizer)
+    with torch.no_grad():
+        for p in stacked_adapters(bundle.model):
+            main = copies.get(id(p), p)
+            if main is not p:
+                main[slot].copy_(p[slot])
+            opt = owner.get(id(main))
+            for t in (opt.state.get(main, {}) if opt is not None else {}).values():
+                if isinstance(t, torch.Tensor) and t.shape == main.shape:
+                    t[slot].zero_()

@@ -114,6 +114,18 @@ class AdapterPublisher:
                 return
             self.pub.saved(alias, version, str(path))
 
+    def park(self, trainer: AdapterTrainer, user: str, slot: int, version: int) -> str:
+        """``user``'s adapter (slot ``slot``) saved as a PEFT directory before the slot goes to another user; its
+        alias records it as saved (under their newest published version, what the engines serve), so it comes
+        back after a restart. Returns the directory."""
+        assert self.users is not None
+        alias = user_alias(user)
+        shown = next(reversed(self.users.state.users[user].versions), version)
+        path = self.pub.save_dir / "parked" / self.pub.versioned(alias, shown)
+        trainer.save_adapter(str(path), None, slot)
+        self.pub.saved(alias, shown, str(path))
+        return str(path)
+
     def _unload_later(self, name: str) -> None:
         """Unload a left version once every gateway has stopped routing new requests to it (their alias reads
         expire after ``UNLOAD_AFTER_S``; a request that still reaches it is sent again by the gateway)."""

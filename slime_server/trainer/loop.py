@@ -88,6 +88,8 @@ class Trainer(Protocol):
 
     def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str: ...
 
+    def set_adapter(self, adapter: int, path: str | None = None) -> dict[str, Any]: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -156,7 +158,7 @@ class TrainLoop:
         self.state = state or LoopState()
         # lora.per 'user': each sample trains its user's adapter slot, each user's adapter is published apart
         self.users = None if adapter is None or not adapter.user_slots else UserSlots(
-            self.state, adapter.user_slots, lambda sid: store.get_session(sid).owner)
+            self.state, adapter.user_slots, lambda sid: store.get_session(sid).owner, self._move_slot)
         self.publisher = None if adapter is None else AdapterPublisher(adapter, self.users,
                                                                         lambda k, d: self.on_event(k, d))
         # a per-user job's users trained since their last publication (None: all, as a start or a restore needs)
@@ -215,6 +217,8 @@ class TrainLoop:
             return
         if ckpt is not None:
             self.trainer.load_checkpoint(ckpt.path)
+        for slot, origin in self.users.reseat(ckpt.step if ckpt else None) if self.users is not None else []:
+            self.trainer.set_adapter(slot, origin)  # a slot that changed hands after the checkpoint
         released = self.store.release_consumed(ckpt.step if ckpt else 0, self.job_id)
         self.state.step = ckpt.step if ckpt else 0
         self.state.version += 1  # restored weights get a new version: versions never go back
@@ -466,6 +470,21 @@ class TrainLoop:
         merged = _mean_metrics(per_step)
         merged["critic_steps"] = float(len(per_step))
         return merged
+
+    def _move_slot(self, slot: int, leaving: str | None, arriving: str | None) -> None:
+        """A per-user job's slot changing hands: the leaving user's adapter published if a step trained it since,
+        saved and parked (their alias keeps serving it, and comes back from the saved copy after a restart); the
+        slot loaded with the arriving user's saved adapter, or a fresh one."""
+        assert self.trainer is not None and self.publisher is not None and self.users is not None
+        if leaving is not None:
+            with self._push_lock:
+                if leaving in (self._unpublished or []):
+                    self.publisher.publish(self.trainer, self.engines.urls(), self.state.version, [leaving])
+                    self._unpublished = [u for u in self._unpublished or [] if u != leaving]
+            path = self.publisher.park(self.trainer, leaving, slot, self.state.version)
+            self.users.park(leaving, path)
+        self.trainer.set_adapter(slot, arriving)
+        self.on_event("user_slot", {"slot": slot, "parked": leaving is not None, "restored": arriving is not None})
 
     def checkpoint(self) -> Checkpoint:
         assert self.trainer is not None

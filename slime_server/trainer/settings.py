@@ -111,7 +111,8 @@ class LoRASettings(BaseModel):
         "job", description="'job': one adapter, the job's alias; 'user': an online (live) job trains one adapter "
         "per user (the principal of each call: an agent key, or a frontend key's X-Slime-User) on that user's own "
         "rewarded turns, and the gateway serves each user's calls naming the served model through their own "
-        "adapter (the base until their first is published); up to 'adapters' users")
+        "adapter (the base until their first is published); 'adapters' users hold a slot at once, a newcomer takes "
+        "the least recently trained user's (saved, loaded back when they return)")
 
     @model_validator(mode="after")
     def _check(self) -> LoRASettings:
@@ -203,11 +204,15 @@ class Checkpoint(BaseModel):
 
 class UserSlot(BaseModel):
     """A user's adapter in a per-user LoRA job (``lora.per = 'user'``): which of the trainer's stacked adapters is
-    theirs, and the versions published for them (the newest ``USER_VERSIONS_KEPT``), what their samples' staleness
-    is counted in."""
+    theirs (or where it is saved while they hold none), and the versions published for them (the newest
+    ``USER_VERSIONS_KEPT``), what their samples' staleness is counted in."""
 
-    slot: int
+    slot: int  # -1 while parked
     versions: list[int] = Field(default_factory=list)
+    last_step: int = 0  # the last step that trained them (the least recent gives up its slot first)
+    parked: str | None = None  # their adapter's PEFT directory while they hold no slot
+    seated_step: int = 0  # the step that gave them their slot, and what it was loaded with (None: fresh): a job
+    origin: str | None = None  # restored from an older checkpoint loads it again (the slot was someone else's)
 
 
 class LoopState(BaseModel):
@@ -225,3 +230,4 @@ class LoopState(BaseModel):
     rejected: int = 0  # ... and those that did not (dropped, stored)
     waiting: str | None = None  # why the last look at the buffer found no batch (None: training)
     users: dict[str, UserSlot] = Field(default_factory=dict)  # lora.per 'user': each user's adapter slot
+    parked: dict[str, UserSlot] = Field(default_factory=dict)  # ... and users who gave theirs up, saved
