@@ -19,6 +19,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from slime_server.lora_format import ADAPTER_DIR
+from slime_server.trainer.adapter_isolation import set_adapter as set_adapter_slot
 from slime_server.trainer.adapter_push import AdapterPusher
 from slime_server.trainer.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
 from slime_server.trainer.convert import iter_hf_tensors, load_hf_checkpoint_into
@@ -27,7 +28,7 @@ from slime_server.trainer.lora import adapters_disabled, attach_lora
 from slime_server.trainer.model import build_gpt_model
 from slime_server.trainer.optimizer import OptimizerBundle, build_optimizer
 from slime_server.trainer.parallel import destroy_parallel, init_parallel, open_rendezvous
-from slime_server.trainer.peft_io import adapter_config, peft_state_dict, save_peft_adapter
+from slime_server.trainer.peft_io import adapter_config, peft_state_dict, read_peft_adapter, save_peft_adapter
 from slime_server.trainer.pipeline import gather_stages, pipeline_hf_tensors
 from slime_server.trainer.settings import CriticSettings, LoRASettings, OptimizerSettings
 from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
@@ -245,11 +246,8 @@ class TrainerRank:
     def set_adapter(self, adapter: int, path: str | None = None) -> dict[str, Any]:
         """Adapter ``adapter`` of a multi-adapter trainer becomes the PEFT directory ``path`` (None: a fresh one),
         its Adam moments zeroed (collective): a per-user job giving a slot to another user."""
-        from slime_server.trainer.adapter_isolation import set_adapter
-        from slime_server.trainer.peft_io import read_peft_adapter
-
         tensors = read_peft_adapter(path)[1] if path is not None else None
-        set_adapter(self._ready(), adapter, tensors, self.settings.seed)
+        set_adapter_slot(self._ready(), adapter, tensors, self.settings.seed)
         return {"adapter": adapter, "path": path}
 
     def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str:

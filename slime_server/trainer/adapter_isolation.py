@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from slime_server.trainer.lora import is_adapter_name
+from slime_server.lora_format import parse_tensor_name
+from slime_server.trainer.lora import initial_a, is_adapter_name
 from slime_server.trainer.model import unwrap
+from slime_server.trainer.peft_io import adapter_state, load_adapter_state, peft_name
 
 
 def stacked_adapters(model: nn.Module) -> list[nn.Parameter]:
@@ -73,9 +75,6 @@ def set_adapter(bundle: Any, slot: int, tensors: dict[str, torch.Tensor] | None,
     """Adapter ``slot`` of a multi-adapter trainer becomes ``tensors`` (full, under global Megatron names: a parked
     user's adapter coming back) or a fresh adapter (A as ``attach_lora`` starts that slot, B = 0: the base's
     answers), with no Adam history; every other adapter untouched (collective: the adapters are gathered)."""
-    from slime_server.lora_format import parse_tensor_name
-    from slime_server.trainer.lora import initial_a
-    from slime_server.trainer.peft_io import adapter_state, load_adapter_state, peft_name
 
     state = adapter_state(bundle.model, copy=True)
     if tensors is not None and set(tensors) != set(state):
