@@ -42,7 +42,8 @@ def test_job_metrics_reach_wandb(manager: JobManager, tmp_path: Path) -> None:
     pytest.importorskip("wandb")
     view = manager.create(spec(mode="offline"))
     deadline = time.monotonic() + 60
-    while manager.get(view.id).step < 2:
+    # the step count is persisted a moment before the step's metrics row: wait for both
+    while manager.get(view.id).step < 2 or not manager.metrics(view.id) or manager.metrics(view.id)[-1].step < 2:
         assert manager.get(view.id).status != "failed", manager.get(view.id).error
         assert time.monotonic() < deadline, manager.get(view.id)
         time.sleep(0.05)
