@@ -95,7 +95,7 @@ class AdapterPublisher:
         for alias, slot, user in self._targets(None):
             current: int | None = version
             if user is not None and self.users is not None:  # a user trained but not published yet has none
-                current = next(reversed(self.users.state.users[user].versions), None)
+                current = self.users.current(user)
             if current is None:
                 continue
             stats["seconds"] += float(trainer.push_adapter([url], self.pub.versioned(alias, current), slot)
@@ -106,24 +106,26 @@ class AdapterPublisher:
         """Each adapter at ``version`` as a PEFT directory (under ``directory``, default the job's save dir) that a
         restart or an eviction loads again: the aliases outlive the job."""
         for alias, slot, _ in self._targets(None):
-            path = (directory or self.pub.save_dir) / self.pub.versioned(alias, version)
             try:
-                trainer.save_adapter(str(path), None, slot)
+                self._save(trainer, alias, slot, version, directory or self.pub.save_dir)
             except Exception as e:  # noqa: BLE001 - a dead rank: the last checkpoint's adapter stands
                 log.warning("could not save adapter %s version %s: %r", alias, version, e)
                 return
-            self.pub.saved(alias, version, str(path))
 
     def park(self, trainer: AdapterTrainer, user: str, slot: int, version: int) -> str:
         """``user``'s adapter (slot ``slot``) saved as a PEFT directory before the slot goes to another user; its
         alias records it as saved (under their newest published version, what the engines serve), so it comes
         back after a restart. Returns the directory."""
         assert self.users is not None
-        alias = user_alias(user)
-        shown = next(reversed(self.users.state.users[user].versions), version)
-        path = self.pub.save_dir / "parked" / self.pub.versioned(alias, shown)
+        shown = self.users.current(user)
+        return self._save(trainer, user_alias(user), slot, version if shown is None else shown,
+                          self.pub.save_dir / "parked")
+
+    def _save(self, trainer: AdapterTrainer, alias: str, slot: int | None, version: int, directory: Path) -> str:
+        """One adapter as ``directory``/<its versioned name>, recorded on its alias as saved at ``version``."""
+        path = directory / self.pub.versioned(alias, version)
         trainer.save_adapter(str(path), None, slot)
-        self.pub.saved(alias, shown, str(path))
+        self.pub.saved(alias, version, str(path))
         return str(path)
 
     def _unload_later(self, name: str) -> None:

@@ -101,6 +101,10 @@ class UserSlots:
     def slot(self, user: str) -> int:
         return self.state.users[user].slot
 
+    def current(self, user: str) -> int | None:
+        """The newest version published for seated ``user`` (None: trained, not published yet)."""
+        return next(reversed(self.state.users[user].versions), None)
+
     def published(self, user: str, version: int) -> None:
         versions = self.state.users[user].versions
         versions.append(version)
