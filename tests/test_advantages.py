@@ -14,6 +14,7 @@ from slime_server.trainer.advantages import (
     gae_advantages,
     grpo_advantages,
     opd_advantages,
+    per_adapter,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
     token_rewards,
@@ -129,3 +130,27 @@ def test_dapo_overlong_penalty_by_hand() -> None:
     assert [a for a, m in zip(out[1].advantages, out[1].loss_mask, strict=True) if m] == [-0.25] * 8
     with pytest.raises(ValueError):
         AdvantageConfig(overlong_max_len=4, overlong_cache_len=4)
+
+
+def test_each_adapters_advantages_are_centred_on_its_own_rewards() -> None:
+    # adapter 0 (a user doing well): rewards 1, 1, 1, -1; adapter 1 (doing better still): 1, 1, 1, 1.
+    # Batch-wide REINFORCE++: mean 0.75 -> adapter 0's advantages sum to 3 * 0.25 - 1.75 = -1 (over its std):
+    # negative on the whole. Per adapter: adapter 0's mean 0.5, std sqrt(0.75) -> +-0.5 / 0.8660254 summing to 0;
+    # adapter 1's rewards are all equal -> 0 (no signal).
+    rewards = [(0, 1.0), (1, 1.0), (0, 1.0), (1, 1.0), (0, 1.0), (1, 1.0), (0, -1.0), (1, 1.0)]
+    samples = [_s([0, 1], r, adapter=a) for a, r in rewards]
+    whole = reinforce_plus_plus_advantages(samples)
+    assert sum(o.advantages[1] for o, (a, _) in zip(whole, rewards, strict=True) if a == 0) < -0.5
+    out = per_adapter(samples, lambda part, kl, values: reinforce_plus_plus_advantages(part))
+    assert [o.adapter for o in out] == [a for a, _ in rewards]  # the input's order
+    a = 0.5 / math.sqrt(0.75 + 1e-8)
+    assert [o.advantages[1] for o in out] == pytest.approx([a, 0.0, a, 0.0, a, 0.0, -3 * a, 0.0], abs=1e-6)
+    # one adapter: the batch-wide estimate itself, kl and values passed through in order
+    seen: list[object] = []
+    one = per_adapter(samples[0:4:2], lambda part, kl, values: seen.extend([kl, values]) or part, kl=[[0.1], [0.2]],
+                      values=[[1.0], [2.0]])
+    assert one == samples[0:4:2] and seen == [[[0.1], [0.2]], [[1.0], [2.0]]]
+    split: list[object] = []
+    per_adapter(samples[:4], lambda part, kl, values: split.append((kl, values)) or part, kl=[[0], [1], [2], [3]],
+                values=[[4], [5], [6], [7]])
+    assert split == [([[0], [2]], [[4], [6]]), ([[1], [3]], [[5], [7]])]

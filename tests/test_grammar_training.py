@@ -15,7 +15,7 @@ from slime_server.buffer.schema import Trajectory, Turn
 from slime_server.rollout.cpu_engine import CPUEngine, EngineConfig
 from slime_server.rollout.protocol import SamplingParams
 from slime_server.trainer.grammar_masks import GrammarMasker
-from slime_server.trainer.loop import to_train_sample
+from slime_server.trainer.samples import to_train_sample
 
 torch.set_num_threads(2)
 PROMPT = [31, 32, 33, 34, 35]

@@ -7,6 +7,7 @@ test_lora_per_user.py)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +179,48 @@ def test_a_per_user_job_is_refused_off_live_data_or_merged() -> None:
         JobSpec(algorithm="grpo", lora={"per": "user", "publish": "merged"})
     with pytest.raises(ValueError, match="users' adapters"):
         JobSpec(algorithm="grpo", lora={"name": "user-abc"})
+    with pytest.raises(ValueError, match="per-user slots"):  # one alias cannot publish several adapters
+        JobSpec(algorithm="grpo", lora={"adapters": 2})
+
+
+def test_a_deleted_users_adapter_is_forgotten_by_the_running_job(stores, tmp_path: Path) -> None:
+    """Deleting a user's adapter while their per-user job runs (``TrainLoop.forget_user``, asked of the loop's
+    thread between steps): their slot starts fresh, their unconsumed samples are dropped, every checkpoint that
+    holds their tensors gives way to a new one without them; the other user is untouched, and the forgotten user's
+    next sample seats them afresh. A user the job never trained is not forgotten (nothing to do)."""
+    store, adapters = stores
+    lp, trainer, events = per_user_loop(stores, tmp_path, slots=2, batch_size=2, poll_interval_s=0.01,
+                                        advantage={"estimator": "reinforce_plus_plus"})
+    add(store, "a0", owner=ALICE)
+    add(store, "b0", owner=BOB, reward=0.0)
+    assert lp.step_once() is not None
+    first = Path(lp.checkpoint().path)
+    first.mkdir(parents=True)
+    alice_slot = lp.state.users[ALICE].slot
+    add(store, "b1", owner=BOB)
+    add(store, "b2", owner=BOB, reward=0.0)
+    assert lp.step_once() is not None  # Bob alone: a step past the checkpoint
+    waiting = add(store, "a1", owner=ALICE)  # one sample of hers left unconsumed (a step needs two)
+
+    runner = threading.Thread(target=lp.run, daemon=True)
+    runner.start()
+    try:
+        done = lp.between_steps(lambda: lp.forget_user(user_alias(ALICE)), timeout=30)
+        assert lp.between_steps(lambda: lp.forget_user("user-0000"), timeout=30) == {"forgotten": False}
+    finally:
+        lp.stop.set()
+        runner.join(30)
+    assert done["forgotten"] is True and done["slot"] == alice_slot and done["dropped_samples"] == 1
+    assert trainer.slots_set == [(alice_slot, None)]  # her slot: A as it started, B = 0, fresh Adam moments
+    assert set(lp.state.users) == {BOB} and lp.state.parked == {}
+    assert store.get_trajectory(waiting).consumed_step == -1
+    assert [Path(c.path).name for c in lp.state.checkpoints] == ["step_00000002"]
+    assert not first.exists()  # held her tensors
+    assert ("user_forgotten", {"alias": user_alias(ALICE), "slot": alice_slot, "dropped_samples": 1,
+                               "checkpoints_removed": 1}) in events
+
+    add(store, "a2", owner=ALICE)
+    add(store, "b3", owner=BOB)
+    assert lp.step_once() is not None  # she comes back as a newcomer into the free (fresh) slot
+    assert lp.state.users[ALICE].slot == alice_slot and lp.state.users[ALICE].versions == [lp.state.version]
+    assert trainer.slots_set == [(alice_slot, None)]  # nothing loaded into it: it was reset when she went

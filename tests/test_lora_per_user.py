@@ -10,7 +10,15 @@ concurrently, every call naming the served model: the gateway answers each throu
 job has published one, the base before. Afterwards Alice's addition rate has risen and Bob's fallen, each
 by more than three standard deviations of a difference of two measured rates (binomial, at the base's measured
 rate); the base (the admin's calls: no user) answers at its old rate, its weights never moved, and no request
-failed. CPU engine with LoRA on, the real sgl-router, Ray ranks of Megatron-core, the openai SDK.
+failed. The job anchors each adapter to the base (``loss.kl_coef``; a LoRA job's reference is the base with the
+adapters off): without it, at lr 1.5e-3, once a user was nearly always pleased the few disliked answers' negative
+gradients squeezed probability into malformed calls (``{"expression": "4"}``) at the twelfth step in 6 of 17
+runs (with a batch-wide and with a per-user baseline alike; the same adapter reloaded from the trainer's
+checkpoint answered as badly, so it was the training, not the serving); with it, in none of 6.
+
+A third user taking a slot hands it over and back without either losing their taste; Alice deleting her adapter
+while the job runs leaves nothing of hers on the engines or the job's disk, and the base answers her.
+CPU engine with LoRA on, the real sgl-router, Ray ranks of Megatron-core, the openai SDK.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import math
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +48,8 @@ ROWS = demo_rows(256, seed=5)
 TOOLS = CalculatorEnv().tools()
 PER_ROUND = 32  # conversations per user per round: one train step a round (both users' samples in it)
 N_EVAL = 128
+STEPS = 12  # one a round
+SEEN: dict[tuple[str | None, int], list[str]] = {}  # (user, seed) -> each answer's operator: printed on the way
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +89,9 @@ async def play(base_url: str, key: str, user: str | None, n: int, *, reward: boo
                     model=model, messages=[{"role": "system", "content": CalculatorEnv.system_prompt},
                                            {"role": "user", "content": row.prompt}],
                     tools=TOOLS, max_tokens=40, temperature=1.0, extra_headers={"X-Session-Id": sid})
-                plus = operator_of(r.choices[0].message) == "+"
+                op = operator_of(r.choices[0].message)
+                plus = op == "+"
+                SEEN.setdefault((user, seed), []).append(op or "none")
                 if reward:  # Alice likes additions, Bob any other calculation (no call at all: neither)
                     liked = plus if user == "alice" else operator_of(r.choices[0].message) in ("-", "*", "/")
                     (await rest.post(f"/sessions/{sid}/reward", json={"reward": 1.0 if liked else -1.0})
@@ -117,14 +130,14 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
     assert p - margin > 0 and p + margin < 1, p  # room to move both ways
 
     body = {"name": "per-user", "algorithm": "reinforce_plus_plus", "data": {"source": "live"},
-            "optimizer": {"lr": 1.5e-3}, "lora": {"rank": 8, "alpha": 16, "per": "user", "adapters": 2},
+            "optimizer": {"lr": 1.5e-3}, "loss": {"kl_coef": 0.1}, "lora": {"rank": 8, "alpha": 16, "per": "user", "adapters": 2},
             "loop": {"batch_size": 2 * PER_ROUND, "n_samples_per_prompt": 1, "max_staleness": 2,
-                     "poll_interval_s": 0.05, "checkpoint_interval": 1000}}
+                     "poll_interval_s": 0.05, "checkpoint_interval": 4}}
     with admin(server) as c:
         job = c.post("/jobs", json=body).raise_for_status().json()
     wait_event(server, job["id"], "trainer_ready")
     step, rounds = 0, 0
-    while step < 12 and rounds < 12:  # each round's turns trained before the next is played
+    while step < STEPS and rounds < STEPS:  # each round's turns trained before the next is played
         played = asyncio.run(both(PER_ROUND, seed=100 + rounds))
         print(f"round {rounds}: addition rate alice {rate(played[0]):.2f}, bob {rate(played[1]):.2f}")
         step = wait_job(server, job["id"], lambda j, s=step: j["step"] >= s + 1)["step"]  # noqa: B023
@@ -137,6 +150,11 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
     after = asyncio.run(play(base_url, ADMIN, None, N_EVAL, reward=False, seed=0))
     print(f"addition rate: base {p:.2f} -> {rate(after):.2f}; alice {rate(alice):.2f}, bob {rate(bob):.2f}; "
           f"margin {margin:.2f}; {step} steps in {rounds} rounds")
+    store = server.gateway.server.config.app.state.gw.store
+    for who, seed in (("alice", 7), ("bob", 8)):
+        adapters = Counter(t.turns[0].lora_adapter for t in store.list_trajectories(limit=100_000)
+                           if t.turns and t.session_id.startswith(f"{who}-{seed}-"))
+        print(f"{who}: operators {Counter(SEEN[(who, seed)])}, adapters {dict(adapters)}")
     assert errors == []
     assert rate(alice) > p + margin and rate(bob) < p - margin
     assert abs(rate(after) - p) < margin  # the base answers as before
@@ -186,3 +204,24 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
     alice, bob = asyncio.run(both(N_EVAL, seed=9, reward=False))
     print(f"after the slots changed hands: alice {rate(alice):.2f}, bob {rate(bob):.2f}")
     assert errors == [] and rate(alice) > p + margin and rate(bob) < p - margin
+
+    # Alice deletes her adapter while the job runs (paused here): the job lets her go first, then the engines
+    # and the disk lose every version of hers and her calls are the base's again; Bob keeps his
+    gw = server.gateway.server.config.app.state.gw
+    with admin(server) as c:
+        gone = c.delete(f"/admin/adapters/{alice_alias}").raise_for_status().json()
+        forgotten = [e["data"] for e in job_events(c, job["id"]) if e["kind"] == "user_forgotten"]
+        status = c.get(f"/jobs/{job['id']}").raise_for_status().json()["status"]
+    assert gone["unloaded"] and all(n.startswith(f"{alice_alias}@") for n in gone["unloaded"]), gone
+    assert [f["alias"] for f in forgotten] == [alice_alias] and status == "paused"
+    assert aliases.get(alice_alias) is None and aliases.get(mine["bob"].alias) is not None
+    served_now = httpx.get(f"{server.deployment.engine_urls[0]}/v1/models", timeout=10).json()["data"]
+    assert not any(alice_alias in m["id"] for m in served_now) and any(mine["bob"].alias in m["id"] for m in served_now)
+    left = [p for p in (Path(gw.jobs.work_dir) / job["id"]).rglob("*") if alice_alias in p.name]
+    assert left == [], left
+    sid = f"alice-after-{uuid.uuid4().hex[:6]}"
+    r = httpx.post(f"{base_url}/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {front}", "X-Slime-User": "alice", "X-Session-Id": sid},
+                   json={"model": served_name, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert [t.turns[0].lora_adapter for t in store.get_trajectories(sid)] == [None]  # the base answered her

@@ -16,7 +16,7 @@ import pytest
 from slime_server.buffer.schema import Trajectory, Turn
 from slime_server.online.feedback import sample_session_id, score_tokens, turn_sample
 from slime_server.online.judge import majority, parse_vote
-from slime_server.trainer.loop import to_train_sample, with_opd
+from slime_server.trainer.samples import to_train_sample, with_opd
 from slime_server.trainer.settings import OPDWeights
 from tests._gateway_helpers import (
     MODEL,

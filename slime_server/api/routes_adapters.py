@@ -1,7 +1,10 @@
 """Admin REST over published LoRA adapters: list the aliases, delete one (issue 43).
 
 Why deleting is more than a row: the alias's versions sit in every engine and its saved versions on disk; a user
-whose adapter is deleted must be served by the base from then on, with nothing of theirs left to load again.
+whose adapter is deleted must be served by the base from then on, with nothing of theirs left to load again. A
+user's adapter can be deleted while its per-user job runs: the job lets the user go first (their slot starts
+fresh, their unconsumed samples and parked copy go, its checkpoints are replaced by one without them), then the
+alias, the engines' versions and the saved copies go; their next rewarded conversations start a new adapter.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
 from slime_server.api.deps import get_gateway, require_admin
-from slime_server.buffer.adapter_store import AdapterStore, PublishedAdapter, is_version_of
+from slime_server.buffer.adapter_store import AdapterStore, PublishedAdapter, is_user_alias, is_version_of
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.protocol import ErrorResponse
@@ -37,7 +40,7 @@ class DeletedAdapter(BaseModel):
     alias: str
     deleted: bool = True
     unloaded: list[str]  # the versions the engines held
-    removed_dirs: list[str]  # saved versions removed from disk (a checkpoint's copy goes with its job)
+    removed_dirs: list[str]  # saved versions removed from disk
 
 
 def _store(gw: Gateway) -> AdapterStore:
@@ -62,15 +65,22 @@ async def delete_adapter(alias: str, gw: GW) -> DeletedAdapter:
             job = gw.jobs.get(record.job_id)
         except JobError:  # its job is gone: nothing trains the alias
             job = None
-        if job is not None and job.status in ACTIVE:
+        if job is not None and job.status in ACTIVE and not is_user_alias(alias):
             raise APIError(409, f"job {record.job_id} still trains '{alias}'; cancel it first", code="job_active")
+        if job is not None and job.status in ACTIVE:  # a per-user job lets the user go first (slot, samples, files)
+            try:
+                await in_thread(gw.jobs.forget_user, record.job_id, alias)
+            except JobError as e:
+                raise APIError(e.status_code, str(e), code=e.code) from None
     await in_thread(store.delete, alias)  # first: no request routes to it from now on
     unloaded = await gw.adapters.unload_versions(alias)
     removed: list[str] = []
     if gw.jobs is not None and record.job_id:
-        saved = Path(gw.jobs.work_dir) / record.job_id / "adapters"
-        for d in sorted(saved.glob("*")) if saved.is_dir() else []:
-            if is_version_of(d.name, alias):
+        job_dir = Path(gw.jobs.work_dir) / record.job_id
+        # the versions a job ended on, a per-user job's parked users, and the users' copies in its checkpoints
+        for d in sorted((*job_dir.glob("adapters/*"), *job_dir.glob("adapters/parked/*"),
+                         *job_dir.glob("checkpoints/*/users/*"))):
+            if d.is_dir() and is_version_of(d.name, alias):
                 await in_thread(shutil.rmtree, d, True)
                 removed.append(str(d))
     return DeletedAdapter(alias=alias, unloaded=unloaded, removed_dirs=removed)

@@ -174,6 +174,21 @@ class JobManager:
                 raise JobError(503, "the checkpoint did not finish in time", "checkpoint_timeout")
         return run.loop.state.checkpoints[-1].model_dump()
 
+    def forget_user(self, job_id: str, alias: str, timeout: float = 300.0) -> dict[str, Any]:
+        """A running per-user job forgets the user of adapter ``alias`` (its adapter is being deleted): between two
+        steps, waited for (``TrainLoop.forget_user``)."""
+        row = self._row(job_id)
+        run = self._running.get(job_id)
+        if run is None or row.status not in ("running", "paused") or run.loop.stop.is_set():
+            raise JobError(409, f"job {job_id} is {row.status}: it cannot let go of '{alias}' now; cancel it first",
+                           "job_active")
+        if run.loop.users is None:
+            raise JobError(409, f"job {job_id} still trains '{alias}'; cancel it first", "job_active")
+        try:
+            return run.loop.between_steps(lambda: run.loop.forget_user(alias), timeout)
+        except TimeoutError:
+            raise JobError(503, f"job {job_id} did not let go of '{alias}' in time", "forget_timeout") from None
+
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         return self.get(job_id).checkpoints
 
@@ -266,7 +281,7 @@ class JobManager:
             evaluator.maybe_run(state.step, state.version)
 
         def on_event(kind: str, data: dict[str, Any]) -> None:
-            if kind in ("checkpoint", "dropped", "resumed", "trainer_ready", "waiting"):
+            if kind in ("checkpoint", "dropped", "resumed", "trainer_ready", "waiting", "user_forgotten"):
                 self.jobs.update_job(row.id, state=loop.state.model_dump())
             self._event(row.id, kind, data)
             if kind == "trainer_ready" and data.get("step") == 0:  # the base policy's score, before training

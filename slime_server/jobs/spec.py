@@ -172,6 +172,9 @@ class JobSpec(_Strict):
         if self.lora is not None and self.lora.per == "user" and d.source != "live":
             raise ValueError("lora.per 'user' learns each user's adapter from their own live conversations: "
                              "data.source must be 'live'")
+        if self.lora is not None and self.lora.per == "job" and self.lora.adapters > 1:
+            raise ValueError("lora.adapters > 1 are per-user slots: a job publishes one adapter unless lora.per is "
+                             "'user'")
         if d.source == "conversations" and self.algorithm != "sft":
             raise ValueError("data.source 'conversations' trains supervised: set algorithm 'sft'")
         if self.algorithm == "sft" and d.source in ("live", "dataset") and self.rejection is None:

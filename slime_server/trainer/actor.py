@@ -227,13 +227,13 @@ class TrainerRank:
     def save_checkpoint(self, path: str) -> str:
         """The policy at ``path``; the critic (if any) beside it at ``path``-critic, written first so a
         policy checkpoint that exists always has its critic; a LoRA policy's adapter also as PEFT loads it, at
-        ``path``/adapter."""
+        ``path``/adapter (one adapter; the stacked adapters of a per-user job are saved by user by its loop)."""
         if self.critic is not None:
             save_checkpoint(f"{path}-critic", self.critic, step=self.step, policy_version=self.policy_version)
         saved = save_checkpoint(path, self._ready(), step=self.step, policy_version=self.policy_version,
                                 portable=self.settings.portable_checkpoints)
-        if self.settings.lora is not None:  # the adapter as PEFT loads it, beside what the trainer resumes from
-            self.save_adapter(str(saved / ADAPTER_DIR))
+        if self.settings.lora is not None and self.settings.lora.adapters == 1:
+            self.save_adapter(str(saved / ADAPTER_DIR))  # as PEFT loads it (a per-user job's loop saves each user's)
         return str(saved)
 
     def load_checkpoint(self, path: str) -> dict[str, int]:

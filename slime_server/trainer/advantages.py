@@ -10,7 +10,7 @@ tokens in between (tool results, template) as not being steps of the policy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -261,3 +261,30 @@ def compute_advantages(
     if cfg.estimator == "reinforce_plus_plus":
         return reinforce_plus_plus_advantages(samples, gamma=cfg.gamma, kl=kl, kl_coef=cfg.kl_coef)
     return reinforce_plus_plus_baseline_advantages(samples, kl=kl, kl_coef=cfg.kl_coef)
+
+
+Part = Callable[[list[TrainSample], list[Sequence[float]] | None, list[Sequence[float]] | None], list[TrainSample]]
+
+
+def per_adapter(samples: Sequence[TrainSample], estimate: Part, *, kl: Sequence[Sequence[float]] | None = None,
+                values: Sequence[Sequence[float]] | None = None) -> list[TrainSample]:
+    """``estimate(samples, kl, values)`` run on each adapter's samples alone (a multi-adapter LoRA trainer: one
+    policy per adapter), in the input's order.
+
+    Why: a batch-wide baseline (REINFORCE++'s whitening, PPO's) mixes policies. A user whose rewards sit below the
+    batch's mean gets advantages that are negative on the whole, so every token their samples share (the
+    tool-call format) is pushed down in their adapter and their answers degrade into malformed calls, although
+    they were doing well by their own taste. Each adapter's own mean and std keep its advantages centred on its
+    own rewards. One adapter (every single-adapter job) is the estimate of the whole batch, as before."""
+    slots = sorted({s.adapter for s in samples})
+    if len(slots) <= 1:
+        return estimate(list(samples), list(kl) if kl is not None else None,
+                        list(values) if values is not None else None)
+    out: list[TrainSample | None] = [None] * len(samples)
+    for slot in slots:
+        idx = [i for i, s in enumerate(samples) if s.adapter == slot]
+        part = estimate([samples[i] for i in idx], [kl[i] for i in idx] if kl is not None else None,
+                        [values[i] for i in idx] if values is not None else None)
+        for i, sample in zip(idx, part, strict=True):
+            out[i] = sample
+    return [s for s in out if s is not None]

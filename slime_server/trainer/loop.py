@@ -35,35 +35,39 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
+import shutil
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, Field
 
-from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
 from slime_server.lora_format import ADAPTER_DIR
 from slime_server.trainer.adapter_publish import AdapterPublication, AdapterPublisher
 from slime_server.trainer.advantages import (
     compute_advantages,
-    opd_advantages,
+    per_adapter,
     ppo_advantages,
 )
 from slime_server.trainer.checkpoint import checkpoint_dir
 from slime_server.trainer.critic import explained_variance
 from slime_server.trainer.engine_control import EngineControl
-from slime_server.trainer.grammar_masks import GrammarMasker, GrammarReplayError
+from slime_server.trainer.grammar_masks import GrammarMasker
+from slime_server.trainer.samples import to_train_sample, with_opd
 from slime_server.trainer.selection import Rejection, Selection, select, wait_reason
-from slime_server.trainer.settings import Checkpoint, LoopSettings, LoopState, OPDWeights
+from slime_server.trainer.settings import Checkpoint, LoopSettings, LoopState
 from slime_server.trainer.types import TrainSample
 from slime_server.trainer.user_slots import UserSlots
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 class Trainer(Protocol):
@@ -111,37 +115,6 @@ class BatchSource(Protocol):
         """The batch of this step; None when the source is exhausted (the job is complete)."""
 
 
-def to_train_sample(t: Trajectory, masker: GrammarMasker | None = None) -> TrainSample:
-    """The trainer's sample of a stored trajectory. Turns decoded under a grammar are stored at loss mask 0; with
-    a ``masker`` their masks are rebuilt and they train, scored under the same masks (trainer/grammar_masks.py)."""
-    teacher = t.metadata.get("teacher_logprobs")  # online hints (online/feedback.py), aligned to tokens
-    mask, positions, bitmask = t.loss_mask, None, None
-    if masker is not None and any(turn.grammar for turn in t.turns):
-        try:
-            rebuilt = masker.masks(t)
-        except GrammarReplayError as e:  # never trained on a mask that is not the engine's
-            log.warning("%s: its constrained turns stay out of the loss", e)
-            rebuilt = None
-        if rebuilt is not None:
-            positions, bitmask = rebuilt
-            mask = list(mask)
-            for p in positions:
-                mask[p] = 1
-    return TrainSample(tokens=t.tokens, loss_mask=mask, rollout_logprobs=t.rollout_logprobs,
-                       reward=float(t.reward or 0.0), group_id=t.group_id, weight_versions=t.weight_versions,
-                       sample_id=t.id, grammar_positions=positions, grammar_bitmask=bitmask,
-                       teacher_logprobs=teacher if isinstance(teacher, list) and len(teacher) == len(t.tokens)
-                       else None)
-
-
-def with_opd(samples: list[TrainSample], weights: OPDWeights | None) -> list[TrainSample]:
-    """Add the distillation term to the samples that carry teacher log-probs (others unchanged)."""
-    if weights is None:
-        return samples
-    return [opd_advantages([s], w_rl=weights.w_rl, w_opd=weights.w_opd)[0] if s.teacher_logprobs is not None else s
-            for s in samples]
-
-
 class TrainLoop:
     """One job's loop. ``run`` blocks until ``stop`` is set (or ``max_steps``); call it in a thread."""
 
@@ -182,6 +155,7 @@ class TrainLoop:
         self.paused = threading.Event()
         self.checkpoint_requested = threading.Event()
         self.checkpoint_done = threading.Condition()
+        self._between: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self.trainer: Trainer | None = None
         self._last_step_end = time.monotonic()
         # held from a train step to its version bump and push: a catch-up push (sync_engine) never
@@ -246,6 +220,12 @@ class TrainLoop:
             if self.checkpoint_requested.is_set():
                 self.checkpoint_requested.clear()
                 self.checkpoint()
+            while not self._between.empty():  # asked of the trainer by other threads (between_steps)
+                fn, done = self._between.get()
+                try:
+                    done.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - the caller's to raise
+                    done.set_exception(e)
             if self.exhausted or (self.settings.max_steps is not None and self.state.step >= self.settings.max_steps):
                 return
             if self.paused.is_set():
@@ -377,8 +357,8 @@ class TrainLoop:
         if self.supervised:  # SFT: the loss is the masked tokens' NLL; no advantages
             samples = list(raw)
         else:
-            shaped = (ppo_advantages(raw, values, s.advantage, kl=kl) if values is not None
-                      else compute_advantages(raw, s.advantage, kl=kl))
+            shaped = per_adapter(raw, lambda part, k, v: ppo_advantages(part, v, s.advantage, kl=k) if v is not None
+                                 else compute_advantages(part, s.advantage, kl=k), kl=kl, values=values)
             samples = with_opd(shaped, s.opd)
         downweighted = 0
         if not self.supervised and s.stale_policy == "downweight" and s.max_staleness is not None:
@@ -486,19 +466,54 @@ class TrainLoop:
         self.trainer.set_adapter(slot, arriving)
         self.on_event("user_slot", {"slot": slot, "parked": leaving is not None, "restored": arriving is not None})
 
+    def between_steps(self, fn: Callable[[], R], timeout: float) -> R:
+        """``fn``'s result (or error) once the loop's thread (the trainer's owner) has run it before its next step;
+        ``TimeoutError`` after ``timeout`` seconds."""
+        done: Future[Any] = Future()
+        self._between.put((fn, done))
+        return done.result(timeout)
+
+    def forget_user(self, alias: str) -> dict[str, Any]:
+        """A per-user job forgets the user of adapter ``alias``, being deleted (on the loop's thread): their slot
+        starts fresh, their parked copy and unconsumed samples go, and a checkpoint without them replaces every
+        earlier one (those hold their tensors). Their next rewarded conversation seats them as a newcomer."""
+        assert self.trainer is not None and self.users is not None
+        user = self.users.by_alias(alias)
+        if user is None:
+            return {"forgotten": False}
+        with self._push_lock:
+            slot, parked = self.users.forget(user)
+            if slot is not None:
+                self.trainer.set_adapter(slot, None)
+            self._unpublished = None if self._unpublished is None else [u for u in self._unpublished if u != user]
+        heads = self.store.list_heads(status="finished", unconsumed=True, limit=1_000_000)
+        theirs = [h.id for h in heads if self.users.user_of(h) == user]
+        if theirs:
+            self.store.mark_consumed(theirs, DROPPED_STEP, self.job_id)
+        if parked:
+            shutil.rmtree(parked, ignore_errors=True)
+        before, ckpt = [Path(c.path) for c in self.state.checkpoints], self.checkpoint()
+        with self.checkpoint_done:
+            self.state.checkpoints = [ckpt]
+        for path in (p for p in before if p != Path(ckpt.path)):
+            shutil.rmtree(path, ignore_errors=True)
+        data = {"alias": alias, "slot": slot, "dropped_samples": len(theirs), "checkpoints_removed": len(before)}
+        self.on_event("user_forgotten", data)
+        return {"forgotten": True, **data}
+
     def checkpoint(self) -> Checkpoint:
         assert self.trainer is not None
 
         path = self.trainer.save_checkpoint(str(checkpoint_dir(self.checkpoint_dir, self.state.step)))
         ckpt = Checkpoint(step=self.state.step, version=self.state.version, path=path)
-        with self.checkpoint_done:
-            self.state.checkpoints.append(ckpt)
-            self.checkpoint_done.notify_all()
-        self.on_event("checkpoint", ckpt.model_dump())
         if self.publisher is not None and self.users is not None:  # each user's adapter as PEFT loads it
             self.publisher.save(self.trainer, ckpt.version, Path(path) / "users")
         elif self.adapter is not None:
             self.adapter.saved(self.adapter.alias, ckpt.version, str(Path(path) / ADAPTER_DIR))
+        with self.checkpoint_done:  # complete, users' adapters included, before anyone waiting hears of it
+            self.state.checkpoints.append(ckpt)
+            self.checkpoint_done.notify_all()
+        self.on_event("checkpoint", ckpt.model_dump())
         return ckpt
 
     def sync_engine(self, url: str) -> bool:

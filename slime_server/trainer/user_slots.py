@@ -10,6 +10,9 @@ adapter is saved and they are parked (``LoopState.parked``); when they come back
 adapter is loaded into it (its Adam moments start over). A step trains at most ``capacity`` users: newcomers
 beyond that wait in the buffer for a later step (``waiting_users``).
 
+A user whose adapter is deleted (``DELETE /admin/adapters/<their alias>``) is forgotten: their slot starts fresh,
+their parked copy goes, and their next rewarded conversation seats them like a newcomer.
+
 Staleness is counted in the user's own adapter versions: a sample is as many versions old as their adapter was
 published since the version that generated it, not the job's step count (other users' updates do not age it).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
+from slime_server.buffer.adapter_store import user_alias
 from slime_server.trainer.settings import LoopState, UserSlot
 from slime_server.trainer.types import TrainSample
 
@@ -114,6 +118,18 @@ class UserSlots:
         """``user`` gave up their slot; their adapter is saved at ``path``."""
         seat = self.state.users.pop(user)
         self.state.parked[user] = seat.model_copy(update={"slot": -1, "parked": path})
+
+    def by_alias(self, alias: str) -> str | None:
+        """The seated or parked user whose adapter ``alias`` names (None: the job never trained them)."""
+        return next((u for u in (*self.state.users, *self.state.parked) if user_alias(u) == alias), None)
+
+    def forget(self, user: str) -> tuple[int | None, str | None]:
+        """``user`` gone from the job: (the slot they held, their parked directory), either None."""
+        self.waiting_users.discard(user)
+        seat = self.state.users.pop(user, None) or self.state.parked.pop(user, None)
+        if seat is None:
+            return None, None
+        return (seat.slot if seat.slot >= 0 else None), seat.parked
 
     def _seat(self, user: str, in_step: set[str]) -> None:
         """A slot for ``user``: a free one, or the least recently trained holder's outside this step."""
