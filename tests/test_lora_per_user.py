@@ -93,7 +93,7 @@ async def play(base_url: str, key: str, user: str | None, n: int, *, reward: boo
                 plus = op == "+"
                 SEEN.setdefault((user, seed), []).append(op or "none")
                 if reward:  # Alice likes additions, Bob any other calculation (no call at all: neither)
-                    liked = plus if user == "alice" else operator_of(r.choices[0].message) in ("-", "*", "/")
+                    liked = plus if user == "alice" else op in ("-", "*", "/")
                     (await rest.post(f"/sessions/{sid}/reward", json={"reward": 1.0 if liked else -1.0})
                      ).raise_for_status()
                 return plus
@@ -150,7 +150,8 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
     after = asyncio.run(play(base_url, ADMIN, None, N_EVAL, reward=False, seed=0))
     print(f"addition rate: base {p:.2f} -> {rate(after):.2f}; alice {rate(alice):.2f}, bob {rate(bob):.2f}; "
           f"margin {margin:.2f}; {step} steps in {rounds} rounds")
-    store = server.gateway.server.config.app.state.gw.store
+    gw = server.gateway.server.config.app.state.gw
+    store = gw.store
     for who, seed in (("alice", 7), ("bob", 8)):
         adapters = Counter(t.turns[0].lora_adapter for t in store.list_trajectories(limit=100_000)
                            if t.turns and t.session_id.startswith(f"{who}-{seed}-"))
@@ -161,7 +162,7 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
     assert engine_versions(server) == ["0"]  # ... its weights never moved: only adapters were published
 
     # each user has their own alias, hidden from /v1/models; the engines serve their current versions
-    aliases = server.gateway.server.config.app.state.gw.adapters.aliases
+    aliases = gw.adapters.aliases
     mine = {u: aliases.get(user_alias(f"key:{minted['id']}/{u}")) for u in ("alice", "bob")}
     assert all(r is not None and r.version >= 1 for r in mine.values()), mine
     with admin(server) as c:
@@ -177,7 +178,6 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
         assert r.status_code == status, r.text
         if status == 404:
             assert r.json()["error"]["code"] == "model_not_found"
-    store = server.gateway.server.config.app.state.gw.store
     served = {t.turns[0].lora_adapter or "base" for t in store.list_trajectories(limit=100_000) if t.turns}
     assert all(any(n.startswith(f"{r.alias}@{job['id']}.v") for n in served) for r in mine.values()), served
 
@@ -207,7 +207,6 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
 
     # Alice deletes her adapter while the job runs (paused here): the job lets her go first, then the engines
     # and the disk lose every version of hers and her calls are the base's again; Bob keeps his
-    gw = server.gateway.server.config.app.state.gw
     with admin(server) as c:
         gone = c.delete(f"/admin/adapters/{alice_alias}").raise_for_status().json()
         forgotten = [e["data"] for e in job_events(c, job["id"]) if e["kind"] == "user_forgotten"]

@@ -65,10 +65,10 @@ async def delete_adapter(alias: str, gw: GW) -> DeletedAdapter:
             job = gw.jobs.get(record.job_id)
         except JobError:  # its job is gone: nothing trains the alias
             job = None
-        if job is not None and job.status in ACTIVE and not is_user_alias(alias):
-            raise APIError(409, f"job {record.job_id} still trains '{alias}'; cancel it first", code="job_active")
-        if job is not None and job.status in ACTIVE:  # a per-user job lets the user go first (slot, samples, files)
-            try:
+        if job is not None and job.status in ACTIVE:
+            if not is_user_alias(alias):
+                raise APIError(409, f"job {record.job_id} still trains '{alias}'; cancel it first", code="job_active")
+            try:  # a per-user job lets the user go first (slot, samples, files)
                 await in_thread(gw.jobs.forget_user, record.job_id, alias)
             except JobError as e:
                 raise APIError(e.status_code, str(e), code=e.code) from None
