@@ -40,7 +40,7 @@ def test_match_is_the_longest_prefix_of_any_entry(ops: list[tuple[str, int]]) ->
         else:
             live = [e.ids[1:] for e in cache._entries.values()]  # past the namespace
             want = min(max((common_prefix(e, ids) for e in live), default=0), len(ids) - 1)
-            kv, got = cache.match(ids)
+            kv, got, _ = cache.match(ids)
             if want < cache.min_match:
                 assert (kv, got) == (None, 0)
             else:
@@ -56,9 +56,9 @@ def test_a_match_never_crosses_namespaces() -> None:
     cache = PrefixCache(max_tokens=1000, min_match=4)
     ids = list(range(40))
     cache.put(ids, kv_of(ids), namespace=3)
-    assert cache.match(ids + [1]) == (None, 0)
-    assert cache.match(ids + [1], namespace=4) == (None, 0)
-    kv, got = cache.match(ids + [1], namespace=3)
+    assert cache.match(ids + [1]) == (None, 0, None)
+    assert cache.match(ids + [1], namespace=4) == (None, 0, None)
+    kv, got, _ = cache.match(ids + [1], namespace=3)
     assert got == 40 and kv[0][0][0, :40, 0].tolist() == ids
     cache.put(ids[:30], kv_of(ids[:30]))  # the base's own entry: found for the base only
     assert cache.match(ids + [1])[1] == 30 and cache.match(ids + [1], namespace=3)[1] == 40
@@ -72,7 +72,7 @@ def test_a_sessions_next_turn_supersedes_its_last() -> None:
     turn2 = turn1 + list(range(200, 230))
     cache.put(turn2, kv_of(turn2))
     assert sorted(e.ids[1:] for e in cache._entries.values()) == sorted([turn2, list(range(100, 120)) + [5] * 30])
-    kv, got = cache.match(turn2 + [1, 2, 3])
+    kv, got, _ = cache.match(turn2 + [1, 2, 3])
     assert got == len(turn2) and kv[0][0][0, :, 0].tolist() == turn2
     cache.clear()
-    assert (len(cache), cache.tokens, cache.match(turn2)) == (0, 0, (None, 0))
+    assert (len(cache), cache.tokens, cache.match(turn2)) == (0, 0, (None, 0, None))

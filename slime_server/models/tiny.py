@@ -48,7 +48,20 @@ class TinyModelSpec(BaseModel):
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
+    # Mixture of experts (Qwen3-MoE architecture): 0 = the dense Qwen3 model
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 192
+    norm_topk_prob: bool = True
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def tiny_moe_spec() -> TinyModelSpec:
+    """The tiny MoE: the dense tiny model's shape with every MLP 8 experts, top-2 (~5.5 M parameters)."""
+    return TinyModelSpec(num_experts=8)
 
 
 def default_cache_dir() -> Path:
@@ -60,8 +73,10 @@ def _stable_name(spec: TinyModelSpec) -> str:
     # hash() is salted per process; use a stable digest of the spec instead.
     import hashlib
 
-    digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:10]
-    return f"tiny-qwen3-v{BUILDER_VERSION}-{digest}"
+    moe_fields = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"}
+    # the dense model's name predates the MoE fields: leave them out of its digest so its caches stay valid
+    digest = hashlib.sha256(spec.model_dump_json(exclude=None if spec.is_moe else moe_fields).encode()).hexdigest()
+    return f"tiny-qwen3{'moe' if spec.is_moe else ''}-v{BUILDER_VERSION}-{digest[:10]}"
 
 
 def ensure_tiny_model(cache_dir: str | Path | None = None, spec: TinyModelSpec | None = None) -> Path:
@@ -132,15 +147,26 @@ def build_tokenizer(spec: TinyModelSpec):
 
 
 def build_model(spec: TinyModelSpec, tokenizer):
-    """Initialise a Qwen3ForCausalLM from the seed (weights depend on nothing else)."""
+    """Initialise a Qwen3ForCausalLM (Qwen3MoeForCausalLM with ``spec.num_experts``) from the seed (weights depend
+    on nothing else)."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     # Like Qwen's checkpoints, the embedding is padded past the tokenizer (here to 128).
     vocab_size = -(-len(tokenizer) // 128) * 128
-    config = Qwen3Config(
+    moe = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+               moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=spec.norm_topk_prob,
+               decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if spec.is_moe else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_cls(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -156,9 +182,10 @@ def build_model(spec: TinyModelSpec, tokenizer):
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         torch_dtype="float32",
+        **(moe if spec.is_moe else {}),
     )
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config).eval()
+    model = model_cls(config).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=pad_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id
     )

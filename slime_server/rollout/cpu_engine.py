@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from slime_server.rollout import engine_routes
 from slime_server.rollout.core_follow import ThreadsFollowCores
 from slime_server.rollout.engine_adapters import EngineAdapters
 from slime_server.rollout.engine_config import EngineConfig
@@ -53,13 +54,8 @@ from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM, Sequence
 from slime_server.rollout.grammar import EngineGrammars, GrammarError
 from slime_server.rollout.hf_forward import hf_decode, hf_prefill
 from slime_server.rollout.lean_forward import LeanForward
-from slime_server.rollout.prefix_cache import PrefixCache
-from slime_server.rollout.protocol import (
-    FinishReason,
-    GenerateOutput,
-    LogprobEntry,
-    SamplingParams,
-)
+from slime_server.rollout.prefix_cache import NO_REUSE, PrefixCache
+from slime_server.rollout.protocol import FinishReason, GenerateOutput, LogprobEntry, SamplingParams
 from slime_server.rollout.sampling import logprobs_of, sample_token, top_logprobs
 from slime_server.utils.procs import name_os_thread
 
@@ -142,6 +138,7 @@ class CPUEngine:
         self.lean = (LeanForward(mc, self._params, loaded.rope, decode_kernel=config.decode_kernel)
                      if loaded.rope is not None else None)
         self.weight_bytes = loaded.weight_bytes
+        engine_routes.check_servable(config.enable_return_routed_experts, self.lean)
         self.kernel_target = self.lean.gemv_target if self.lean else None
         log.info("decode matmuls: %s", f"gemv.c built for {self.kernel_target}" if self.kernel_target else "torch")
         budget = int(config.prefix_cache_mb * 2**20 / self.lean.kv_bytes_per_token) if self.lean else 0
@@ -473,12 +470,13 @@ class CPUEngine:
         cap = max(n_prompt, min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM))  # grows by doubling
         if self.lean is not None:
             seq.kv = self.lean.new_kv(cap)
-            reused, start = (self.prefix_cache.match(ids, _namespace(seq)) if self.prefix_cache and not want_input
-                             else (None, 0))
+            reused, start, routes = (self.prefix_cache.match(ids, _namespace(seq)) if self.prefix_cache and
+                                     not want_input else NO_REUSE)
             for (kb, vb), (ck, cv) in zip(seq.kv, reused or [], strict=False):
                 kb[:, :start], vb[:, :start] = ck[:, :start], cv[:, :start]
             seq.cached_tokens = start
             logits = self.lean.prefill(ids, seq.kv, all_logits=want_input, start=start, lora_slot=seq.lora_slot).float()
+            engine_routes.after_prefill(seq, routes, start, self.lean.last_routes)
         else:
             seq.kv, logits = hf_prefill(self.model, ids, cap, want_input)
             logits = logits.float()
@@ -512,6 +510,7 @@ class CPUEngine:
 
     def _decode(self, batch: list[Sequence]) -> None:
         logits = (self.lean.decode(batch) if self.lean is not None else hf_decode(self.model, batch)).float()
+        engine_routes.after_decode(batch, self.lean)
         self.grammars.mask(logits, [s.grammar for s in batch])  # only the constrained rows change
         self.stats["decode_steps"] += 1
         self.last_progress = time.monotonic()
@@ -554,7 +553,8 @@ class CPUEngine:
         seq.finish = reason
         seq.finished_at = time.perf_counter()
         if self.prefix_cache is not None and reason.type != "abort" and seq.kv:  # scheduler thread only
-            self.prefix_cache.put((seq.prompt_ids + seq.output_ids)[:seq.kv_len], seq.kv, _namespace(seq))
+            self.prefix_cache.put((seq.prompt_ids + seq.output_ids)[:seq.kv_len], seq.kv, _namespace(seq),
+                                  engine_routes.held(seq))
         seq.kv = []
         self.stats["finished"] += 1
         if seq.on_update is not None:

@@ -36,6 +36,9 @@ class EngineConfig(BaseModel):
                                                           "is compact (no free whitespace between tokens)")
     constrained_json_max_whitespace_cnt: int | None = Field(None, ge=0, description="SGLang's flag: at most this "
                                                             "many whitespace characters in a row (None: any)")
+    enable_return_routed_experts: bool = Field(False, description="SGLang's flag: an MoE model's /generate answers "
+                                               "carry the experts each token was routed to when a request asks "
+                                               "(return_routed_experts)")
     # LoRA serving (SGLang's flags and meanings; rollout/engine_lora.py)
     enable_lora: bool = Field(False, description="serve LoRA adapters beside the base (lean forward only)")
     max_lora_rank: int | None = Field(None, ge=1, description="the largest adapter rank served (default: the largest "

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
 # RoPE types whose frequencies do not depend on the sequence length (HF's ``dynamic_rope_update`` recomputes
 # "dynamic" and "longrope" per call: those models keep HF's forward)
 STATIC_ROPE_TYPES = {"default", "linear", "yarn", "llama3", "proportional"}
@@ -27,7 +27,8 @@ def lean_supported(cfg: Any) -> bool:
     """Whether the lean forward computes what HF's model does for ``cfg``: one of its architectures, full
     attention (no sliding window), SiLU MLP without bias, a RoPE whose frequencies are static."""
     window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    return (getattr(cfg, "model_type", None) in LEAN_MODEL_TYPES and window is None
+    dense_between = int(getattr(cfg, "decoder_sparse_step", 1)) != 1 or bool(getattr(cfg, "mlp_only_layers", None))
+    return (getattr(cfg, "model_type", None) in LEAN_MODEL_TYPES and window is None and not dense_between
             and getattr(cfg, "hidden_act", "silu") == "silu" and not getattr(cfg, "mlp_bias", False)
             and rope_type(cfg) in STATIC_ROPE_TYPES)
 
@@ -81,8 +82,8 @@ class EngineModel:
 def state_dict_names(cfg: Any) -> list[str]:
     """The names of HF's state dict for a lean-supported ``cfg`` (the causal-LM model), in its order."""
     kind = cfg.model_type
-    qkv_bias = kind == "qwen2" or (kind in ("llama", "qwen3") and getattr(cfg, "attention_bias", False))
-    o_bias = kind in ("llama", "qwen3") and getattr(cfg, "attention_bias", False)
+    biased = kind in ("llama", "qwen3", "qwen3_moe") and getattr(cfg, "attention_bias", False)
+    qkv_bias, o_bias = kind == "qwen2" or biased, biased
     names = ["model.embed_tokens.weight"]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -90,11 +91,20 @@ def state_dict_names(cfg: Any) -> list[str]:
             names.append(f"{p}self_attn.{proj}_proj.weight")
             if (proj != "o" and qkv_bias) or (proj == "o" and o_bias):
                 names.append(f"{p}self_attn.{proj}_proj.bias")
-        if kind == "qwen3":
+        if kind in ("qwen3", "qwen3_moe"):
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
-        names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        if kind == "qwen3_moe":  # the checkpoint's layout (SGLang's names): a router, then each expert's three
+            names.append(f"{p}mlp.gate.weight")
+            names += [f"{p}mlp.experts.{e}.{m}_proj.weight" for e in range(num_experts(cfg)) for m in ("gate", "up", "down")]
+        else:
+            names += [f"{p}mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
         names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
     return [*names, "model.norm.weight", "lm_head.weight"]
+
+
+def num_experts(cfg: Any) -> int:
+    """An MoE config's expert count (Qwen3-MoE names it ``num_experts``; transformers 5 saves ``num_local_experts``)."""
+    return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
 
 
 def _read_tensors(path: Path, wanted: set[str]) -> dict[str, torch.Tensor] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from slime_server.rollout import engine_routes
 from slime_server.rollout.engine_sequence import Sequence
 from slime_server.rollout.protocol import GenerateOutput, LogprobEntry, MetaInfo, version_spans
 
@@ -32,6 +33,7 @@ def output_of(seq: Sequence, tokenizer: Any, current_version: str) -> GenerateOu
         cached_tokens=seq.cached_tokens, weight_version=spans[-1].version if spans else current_version,
         weight_versions=spans,
         e2e_latency=None if seq.finished_at is None else seq.finished_at - seq.created,  # final only
+        routed_experts=engine_routes.answer(seq) if f is not None else None,  # final only, as SGLang's
     )
     if seq.return_logprob:
         named = (lambda e: _with_text(tokenizer, e)) if seq.logprob_text else _same

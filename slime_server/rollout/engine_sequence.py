@@ -49,6 +49,9 @@ class Sequence:
     done: threading.Event = field(default_factory=threading.Event)
     grammar: Any = None  # an xgrammar GrammarMatcher when sampling_params names a grammar (rollout/grammar.py)
     lora: Any = None  # the LoRA adapter it is served with (engine_lora.LoadedAdapter; None: the base)
+    return_routed_experts: bool = False  # SGLang's request fields (an MoE model's routes; engine_routes.py)
+    routed_experts_start_len: int = 0
+    routes: list[torch.Tensor] = field(default_factory=list)  # MoE: routes of positions 0 .. kv_len - 1, in pieces
 
     @property
     def lora_slot(self) -> int:

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from slime_server.config import parse_cpu_list
 from slime_server.lora_format import AdapterError
+from slime_server.rollout import engine_routes
 from slime_server.rollout.cpu_engine import BadRequest, CPUEngine, EngineConfig
 from slime_server.rollout.engine_auth import KEY_ENV, InsecureEngineError, add_api_keys, check_exposure
 from slime_server.rollout.engine_lora_routes import add_lora_routes
@@ -125,6 +126,11 @@ class GenerateHandler:
         busy = self.engine.rids_in_flight(named)
         if busy:  # SGLang's _init_req_state refuses a rid that names a request still in flight
             raise BadRequest(f"Duplicate request ID detected: {busy[0]}")
+        routes = req.return_routed_experts and self.engine.config.enable_return_routed_experts  # else none, as SGLang
+        for prompt in prompts if req.return_routed_experts else []:
+            error = engine_routes.start_len_error(len(prompt), req.routed_experts_start_len)
+            if error:
+                raise BadRequest(error)
         # n > 1: new_sequences gives each sample a fresh uuid, as SGLang's tokenizer manager does
         seqs: list[Sequence] = []
         for i, prompt in enumerate(prompts):
@@ -132,7 +138,8 @@ class GenerateHandler:
             seqs += self.engine.new_sequences(prompt, params[i], rid=rids[i], return_logprob=bool(want_lp[i]),
                                               top_logprobs_num=int(tops[i]), logprob_start_len=int(starts[i]),
                                               stream=req.stream, logprob_text=req.return_text_in_logprobs,
-                                              lora=adapters[i])
+                                              lora=adapters[i], return_routed_experts=routes,
+                                              routed_experts_start_len=req.routed_experts_start_len)
         return seqs
 
     def _adapter(self, name: str | None) -> Any:
@@ -357,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the base counting as one")
     ap.add_argument("--max-loaded-loras", type=int, default=None, help="as SGLang's: adapters loaded at once "
                     "(the least recently used unpinned one is unloaded to make room)")
+    ap.add_argument("--enable-return-routed-experts", action="store_true", help="as SGLang's: an MoE model's "
+                    "answers carry each token's routed experts when a request asks (return_routed_experts)")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--health-check-timeout", type=float, default=HEALTH_GENERATE_TIMEOUT_S,
                     help="/health_generate waits this long for scheduler progress (SGLang: 20 s)")
@@ -397,7 +406,8 @@ def main(argv: list[str] | None = None) -> None:
                           constrained_json_max_whitespace_cnt=args.constrained_json_max_whitespace_cnt,
                           enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
                           lora_target_modules=args.lora_target_modules, lora_paths=args.lora_paths,
-                          max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras)
+                          max_loras_per_batch=args.max_loras_per_batch, max_loaded_loras=args.max_loaded_loras,
+                          enable_return_routed_experts=args.enable_return_routed_experts)
     engine = CPUEngine(config)
 
     @asynccontextmanager

@@ -12,7 +12,7 @@ matmuls too, and every matmul reads them as stored: a decode step's few rows thr
 (gemv.py), its larger batches through oneDNN in fp32, a prompt's through F.linear (see _use_onednn),
 none on a packed copy. The tensors
 come straight from the checkpoint (engine_model.py); architectures: llama, mistral (no sliding
-window), qwen2, qwen3; anything else keeps the HF path (``engine_model.lean_supported``).
+window), qwen2, qwen3, qwen3_moe (all layers MoE); anything else keeps the HF path (``engine_model.lean_supported``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: N812 - torch's own convention
 
 from slime_server.rollout import gemv
 from slime_server.rollout.engine_lora import AdapterBank, RowSlots
-from slime_server.rollout.engine_model import Rope, lean_supported
+from slime_server.rollout.engine_model import Rope, lean_supported, num_experts
 from slime_server.rollout.engine_sequence import Sequence
 
 PREFILL_MASK_ELEMENTS = 16 * 2**20  # attention mask elements per chunk of a prefill after a reused prefix
@@ -40,12 +40,14 @@ class _Layer:
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [2 * I, H]
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # [2 * I, H]; None in an MoE layer
+    down: torch.Tensor | None
     in_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    router: torch.Tensor | None = None  # MoE: [E, H]
+    experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # MoE: each expert's ([2 * I, H] gate_up, down)
 
 
 def _fuse(params: MutableMapping[str, torch.Tensor], names: Seq[str]) -> torch.Tensor:
@@ -77,19 +79,29 @@ class LeanForward:
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.num_experts = num_experts(cfg)
+        self.moe_topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        self.moe_norm_topk = bool(getattr(cfg, "norm_topk_prob", False))
+        self.routes: list[torch.Tensor] | None = None  # MoE: each layer's top-k ids of the current call (see _moe)
+        self.last_routes: torch.Tensor | None = None  # MoE: the last prefill's or decode step's, [N, layers, top-k]
         self.layers: list[_Layer] = []
         for i in range(int(cfg.num_hidden_layers)):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             qkv = [f"{a}{x}_proj" for x in "qkv"]
             bias = _fuse(params, [f"{p}.bias" for p in qkv]) if f"{a}q_proj.bias" in params else None
+            dense = not self.num_experts
             self.layers.append(_Layer(
                 index=i, qkv=_fuse(params, [f"{p}.weight" for p in qkv]), qkv_bias=bias, o=params[f"{a}o_proj.weight"],
                 o_bias=params.get(f"{a}o_proj.bias"),
-                gate_up=_fuse(params, [f"{m}gate_proj.weight", f"{m}up_proj.weight"]),
-                down=params[f"{m}down_proj.weight"],
+                gate_up=_fuse(params, [f"{m}gate_proj.weight", f"{m}up_proj.weight"]) if dense else None,
+                down=params[f"{m}down_proj.weight"] if dense else None,
                 in_norm=params[f"model.layers.{i}.input_layernorm.weight"],
                 post_norm=params[f"model.layers.{i}.post_attention_layernorm.weight"],
-                q_norm=params.get(f"{a}q_norm.weight"), k_norm=params.get(f"{a}k_norm.weight")))
+                q_norm=params.get(f"{a}q_norm.weight"), k_norm=params.get(f"{a}k_norm.weight"),
+                router=None if dense else params[f"{m}gate.weight"],
+                experts=None if dense else [
+                    (_fuse(params, [f"{m}experts.{e}.gate_proj.weight", f"{m}experts.{e}.up_proj.weight"]),
+                     params[f"{m}experts.{e}.down_proj.weight"]) for e in range(self.num_experts)]))
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
         self._gemv = gemv.kernel(self.embed.dtype) if decode_kernel == "c" else None
@@ -159,7 +171,30 @@ class LeanForward:
         out = self._residual_linear(x, att, layer.o, layer.o_bias)
         return out if self._rows is None else self.lora.add_delta(out, layer.index, "o", att, self._rows)
 
+    def _moe(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """x + the MoE block (Qwen3-MoE, as HF computes it): softmax over the router's logits in fp32, top-k,
+        weights renormalised when ``norm_topk_prob``; each chosen expert's SwiGLU over its tokens, weighted and
+        summed. The top-k ids are appended to ``self.routes`` (SGLang's routed experts)."""
+        h = self._norm(x, layer.post_norm)
+        probs = F.softmax(F.linear(h, layer.router), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.moe_topk, dim=-1)
+        if self.moe_norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        if self.routes is not None:
+            self.routes.append(ids)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            gate_up, down = layer.experts[e]
+            gate, up = self._torch_linear(h[token], gate_up, None).chunk(2, dim=-1)
+            y = self._torch_linear(F.silu(gate) * up, down, None)
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return x + out
+
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.router is not None:
+            return self._moe(layer, x)
         gate_up = self._norm_linear(x, layer.post_norm, layer.gate_up, None)
         if self._rows is not None:  # the adapters need down_proj's input itself: no silu folded into the matmul
             gate_up = self.lora.add_delta(gate_up, layer.index, "gate_up", self._norm(x, layer.post_norm), self._rows)
@@ -186,10 +221,12 @@ class LeanForward:
         len(ids)), whose first ``start`` positions already hold ``ids[:start]``'s (a reused prefix); returns
         the logits of every computed position, or of the last only. ``lora_slot``: its adapter (0: the base)."""
         self._rows = RowSlots.of([lora_slot]) if self.lora is not None else None
+        self._start_routes()
         try:
             return self._prefill(ids, kv, all_logits, start)
         finally:
             self._rows = None
+            self._end_routes()
 
     def _prefill(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], all_logits: bool,
                  start: int) -> torch.Tensor:
@@ -232,11 +269,22 @@ class LeanForward:
         sequence outgrows ``cap`` (which doubles): amortised over the steps in between, not paid per step."""
         self._decoding = True
         self._rows = RowSlots.of([s.lora_slot for s in batch]) if self.lora is not None else None
+        self._start_routes()
         try:
             return self._decode(batch)
         finally:
             self._decoding = False
             self._rows = None
+            self._end_routes()
+
+    def _start_routes(self) -> None:
+        self.routes, self.last_routes = ([] if self.num_experts else None), None
+
+    def _end_routes(self) -> None:
+        """``last_routes``: the call's routed experts, int32 [positions, layers, top-k] (None for a dense model)."""
+        if self.routes:
+            self.last_routes = torch.stack(self.routes, dim=1).to(torch.int32)
+        self.routes = None
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
         n = len(batch)

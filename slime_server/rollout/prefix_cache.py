@@ -17,6 +17,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
 
 from slime_server.rollout.engine_sequence import KV
 from slime_server.utils.sequences import common_prefix
@@ -28,11 +31,23 @@ SUPERSEDE_SCAN = 8  # entries before a new one checked for being its prefix (the
 class _Entry:
     ids: list[int]  # [namespace, *tokens]: the tokens whose K/V the buffers hold (positions 0 .. len - 2)
     kv: KV
+    routes: torch.Tensor | None = None  # an MoE model's routed experts of those positions (engine_routes.py)
 
     @property
     def size(self) -> int:
         """Tokens of buffer held (capacity, not length: what the memory costs)."""
         return int(self.kv[0][0].shape[1]) if self.kv else 0
+
+
+class Reuse(NamedTuple):
+    """A match: the entry's K/V buffers, how many leading tokens of the prompt they hold, and their routes (MoE)."""
+
+    kv: KV | None
+    tokens: int
+    routes: torch.Tensor | None = None
+
+
+NO_REUSE = Reuse(None, 0)
 
 
 class PrefixCache:
@@ -54,16 +69,17 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, ids: list[int], kv: KV, namespace: int = 0) -> None:
+    def put(self, ids: list[int], kv: KV, namespace: int = 0, routes: torch.Tensor | None = None) -> None:
         """Keep a compact copy of ``kv``'s first ``len(ids)`` positions (per layer [heads, >= len, hd]); a copy,
         since ``kv`` may be a row of the engine's batch buffer. An entry with the same ids, and entries just
         before it in order that are a prefix of it (the session's earlier turns), are superseded.
         ``namespace``: what else the K/V depends on (a LoRA adapter's load: 0 for the base); a match is only
-        ever within one namespace."""
+        ever within one namespace. ``routes``: an MoE model's routed experts of the same positions, kept with them."""
         if len(ids) < self.min_match or not kv or kv[0][0].shape[1] < len(ids):
             return
         n = len(ids)
-        entry = _Entry([namespace, *ids], [(k[:, :n].clone(), v[:, :n].clone()) for k, v in kv])
+        entry = _Entry([namespace, *ids], [(k[:, :n].clone(), v[:, :n].clone()) for k, v in kv],
+                       None if routes is None else routes[:n].clone())
         if entry.size > self.max_tokens:
             return
         i = bisect_left(self._sorted_ids, entry.ids)
@@ -82,7 +98,7 @@ class PrefixCache:
         self._sorted_ids.insert(i, entry.ids)
         self._sorted_keys.insert(i, key)
 
-    def match(self, ids: list[int], namespace: int = 0) -> tuple[KV | None, int]:
+    def match(self, ids: list[int], namespace: int = 0) -> Reuse:
         """The buffers of the entry (of ``namespace``) sharing the longest prefix with ``ids`` and that length (at
         most ``len(ids) - 1``: the last prompt token is always computed, its logits are needed)."""
         n = len(ids)
@@ -96,11 +112,12 @@ class PrefixCache:
                     best_key, best = self._sorted_keys[j], m
         best = min(best - 1, n - 1)  # tokens past the namespace; none when the namespace differs (best 0)
         if best_key is None or best < self.min_match:
-            return None, 0
+            return NO_REUSE
         self._entries.move_to_end(best_key)
         self.hits += 1
         self.reused_tokens += best
-        return self._entries[best_key].kv, best
+        entry = self._entries[best_key]
+        return Reuse(entry.kv, best, entry.routes)
 
     def clear(self) -> None:
         self._entries.clear()

@@ -130,6 +130,10 @@ class GenerateReqInput(_Lenient):
     stream: bool = False
     lora_path: str | None | list[str | None] = Field(None, description="the LoRA adapter's NAME (SGLang's field "
                                                      "name): one for every prompt, or one per prompt; None: the base")
+    return_routed_experts: bool = Field(False, description="an MoE model's routed experts in the final meta_info "
+                                        "(servers started with --enable-return-routed-experts)")
+    routed_experts_start_len: int = Field(0, description="SGLang's: the routes returned cover positions "
+                                          "[routed_experts_start_len, seqlen - 1); in [0, prompt tokens]")
 
     @field_validator("sampling_params", mode="before")
     @classmethod
@@ -197,6 +201,9 @@ class MetaInfo(BaseModel):
     # SGLang's spans: output tokens [start, end) were produced by weights ``version``. Several spans only
     # for a request that was in flight while a weight update was applied.
     weight_versions: list[WeightVersionSpan] | None = None
+    # SGLang's routed experts (MoE, final output only): base64 of little-endian int32 [seqlen - 1 - start_len,
+    # num_hidden_layers, top-k], seqlen = prompt + output tokens (the last output token was never run)
+    routed_experts: str | None = None
 
     def token_versions(self, n: int) -> list[str]:
         """The weight version of each of the first ``n`` output tokens (from the spans; without spans,
@@ -226,7 +233,7 @@ class GenerateOutput(BaseModel):
             d.pop("index")
         mi = d["meta_info"]
         for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs",
-                    "input_top_logprobs", "weight_versions", "e2e_latency"):
+                    "input_top_logprobs", "weight_versions", "e2e_latency", "routed_experts"):
             if mi.get(key) is None:
                 mi.pop(key, None)
         fr = mi["finish_reason"]

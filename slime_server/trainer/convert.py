@@ -8,6 +8,11 @@ Layout facts this module encodes:
   TransformerEngine spec fuses them into ``linear_qkv.layer_norm_weight`` /
   ``linear_fc1.layer_norm_weight`` (``fused_norms=True``). Qwen3 qk-norm is ``q_layernorm`` /
   ``k_layernorm``.
+- Mixture of experts (Qwen3-MoE): ``mlp.router.weight`` is HF's ``mlp.gate.weight``; expert e's
+  ``mlp.experts.local_experts.<e>.linear_fc1`` / ``linear_fc2`` are its [gate; up] and down (HF's on-disk
+  ``mlp.experts.<e>.gate_proj`` ...), split over TP like the dense MLP's; full state dicts use GLOBAL expert
+  indices (an expert-parallel rank's local expert i is global ``ep_rank * local_count + i``). An MoE layer's MLP
+  norm is ``pre_mlp_layernorm`` in both specs (nothing to fuse it into).
 - Embedding / output rows are padded with zeros to ``arch.padded_vocab_size`` and stripped on
   export.
 
@@ -36,6 +41,7 @@ from slime_server.trainer.lora import (
 from slime_server.trainer.model import ModelArch, unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 # Megatron per-layer name -> HF per-layer name, for tensors that map one to one.
@@ -90,8 +96,11 @@ def split_qkv(qkv: torch.Tensor, arch: ModelArch, out: Sequence[torch.Tensor] | 
 
 
 def _suffix(name: str) -> str:
+    """A layer tensor's name under its layer; an expert's linear as the dense MLP's (it splits over TP alike)."""
     m = _LAYER.match(name)
-    return m.group(2) if m else name
+    suffix = m.group(2) if m else name
+    e = _EXPERT.match(suffix)
+    return f"mlp.{e.group(2)}.weight" if e else suffix
 
 
 def split_for_tp(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -160,12 +169,20 @@ def hf_to_megatron(
         if arch.qkv_bias:
             out[mg + "self_attention.linear_qkv.bias"] = interleave_qkv(
                 take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"), arch)
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
-            [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")], dim=0)
+        if arch.is_moe:
+            out[mg + "mlp.router.weight"] = take(hf + "mlp.gate.weight")
+            for e in range(arch.num_experts):
+                h, m = f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{e}."
+                out[m + "linear_fc1.weight"] = torch.cat([take(h + "gate_proj.weight"), take(h + "up_proj.weight")])
+                out[m + "linear_fc2.weight"] = take(h + "down_proj.weight")
+        else:
+            out[mg + "mlp.linear_fc1.weight"] = torch.cat(
+                [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")], dim=0)
+            out[mg + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight")
         out[mg + _INPUT_NORM[fused_norms]] = take(hf + "input_layernorm.weight")
-        out[mg + _MLP_NORM[fused_norms]] = take(hf + "post_attention_layernorm.weight")
+        out[mg + _MLP_NORM[fused_norms and not arch.is_moe]] = take(hf + "post_attention_layernorm.weight")
         for mg_name, hf_name in _ONE_TO_ONE.items():
-            if "layernorm" in mg_name and not arch.qk_norm:
+            if ("layernorm" in mg_name and not arch.qk_norm) or mg_name == "mlp.linear_fc2.weight":
                 continue
             out[mg + mg_name] = take(hf + hf_name)
     unused = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
@@ -205,6 +222,15 @@ def megatron_tensor_to_hf(
     if suffix == "mlp.linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
         return [(hf + "mlp.gate_proj.weight", gate.contiguous()), (hf + "mlp.up_proj.weight", up.contiguous())]
+    if suffix == "mlp.router.weight":
+        return [(hf + "mlp.gate.weight", tensor)]
+    expert = _EXPERT.match(suffix)
+    if expert:
+        h = f"{hf}mlp.experts.{expert.group(1)}."
+        if expert.group(2) == "linear_fc2":
+            return [(h + "down_proj.weight", tensor)]
+        gate, up = tensor.chunk(2, dim=0)
+        return [(h + "gate_proj.weight", gate.contiguous()), (h + "up_proj.weight", up.contiguous())]
     if suffix in _INPUT_NORM.values():
         return [(hf + "input_layernorm.weight", tensor)]
     if suffix in _MLP_NORM.values():
@@ -225,15 +251,28 @@ def megatron_to_hf(mg_state: Mapping[str, torch.Tensor], arch: ModelArch) -> Ite
 # ---------------------------------------------------------------- live model I/O
 
 
-def layer_offset(model: nn.Module) -> int:
-    """Global index of this pipeline stage's first layer (Megatron names layers per stage)."""
+def layer_offset(model: nn.Module) -> tuple[int, int]:
+    """Global index of this pipeline stage's first layer (Megatron names layers per stage) and of this
+    expert-parallel rank's first expert (Megatron names experts per rank)."""
+    from megatron.core import parallel_state as ps
+
     layers = model.decoder.layers
-    return layers[0].layer_number - 1 if len(layers) else 0
+    first_layer = layers[0].layer_number - 1 if len(layers) else 0
+    experts = getattr(getattr(model, "arch", None), "num_experts", 0)
+    ep = ps.get_expert_model_parallel_world_size() if experts else 1
+    return first_layer, (ps.get_expert_model_parallel_rank() * (experts // ep) if experts else 0)
 
 
-def to_global(name: str, offset: int) -> str:
+def to_global(name: str, offset: tuple[int, int]) -> str:
+    """A stage's (rank's) parameter name with global layer (and expert) indices."""
     m = _LAYER.match(name)
-    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
+    if not m:
+        return name
+    suffix = m.group(2)
+    e = _EXPERT.match(suffix)
+    if e:
+        suffix = f"mlp.experts.local_experts.{int(e.group(1)) + offset[1]}.{e.group(2)}.weight"
+    return f"decoder.layers.{int(m.group(1)) + offset[0]}.{suffix}"
 
 
 def uses_fused_norms(model: nn.Module) -> bool:

@@ -212,6 +212,10 @@ def attach_lora(model: nn.Module, settings: LoRASettings, seed: int = 0) -> Atta
     arch: ModelArch = inner.arch
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     wanted = set(settings.targets)
+    mlp = wanted & {"gate_proj", "up_proj", "down_proj"}
+    if arch.num_experts and mlp:
+        raise ValueError(f"LoRA on an MoE model's experts ({', '.join(sorted(mlp))}) is not supported: target the "
+                         "attention projections (q_proj, k_proj, v_proj, o_proj)")
     for p in inner.parameters():
         p.requires_grad_(False)
     hooks, count = [], 0

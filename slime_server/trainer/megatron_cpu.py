@@ -212,6 +212,8 @@ def apply_cpu_patches() -> bool:
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import router as moe_router
 
     cpu_torch = _CpuTorch()
     # GlobalMemoryBuffer.get_tensor: torch.empty(..., device=torch.cuda.current_device()).
@@ -224,6 +226,12 @@ def apply_cpu_patches() -> bool:
     # get_default_causal_mask / get_sliding_window_causal_mask: torch.ones(..., device="cuda")
     # (reached only when no explicit attention mask is passed; model.forward_logits passes one).
     transformer_utils.torch = cpu_torch
+    # Router.gating (MoE): moves the router's weight to torch.cuda.current_device() on every forward.
+    moe_router.torch = cpu_torch
+    # RouterGatingLinearFunction reads moe_utils.te_general_gemm, which only a TransformerEngine import defines
+    # (without TE: NameError); None selects its torch.mm branch.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     # _ParamAndGradBuffer.__init__ (Megatron DDP): grad/param buffers allocated on
     # torch.cuda.current_device().
     param_and_grad_buffer.torch = cpu_torch

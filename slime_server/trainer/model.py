@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slime_server.trainer import routing_replay
 from slime_server.trainer.adapter_rows import rows_through
 from slime_server.trainer.megatron_cpu import apply_cpu_patches, cuda_available
 
 if TYPE_CHECKING:
     from slime_server.trainer.packing import MicroBatch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,15 @@ class ModelArch:
     max_position_embeddings: int
     # Llama 3.1+ RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
     rope_llama3: tuple[float, float, float, int] | None = None
+    # Mixture of experts (Qwen3-MoE: every layer's MLP is ``num_experts`` SwiGLU experts, top-k routed); 0 = dense
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk: bool = False  # renormalise the top-k softmax weights to sum to 1 (Qwen3's norm_topk_prob)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def _rope(hf_config: Any) -> tuple[float, tuple[float, float, float, int] | None]:
@@ -89,15 +99,28 @@ def arch_from_hf_config(hf_config: Any, tp_size: int = 1) -> ModelArch:
         raise ValueError(f"heads ({num_heads}) and kv heads ({num_kv_heads}) must divide by TP {tp_size}")
     qkv_bias = model_type == "qwen2"
     vocab = hf_config.vocab_size
+    moe = _moe_fields(hf_config) if model_type == "qwen3_moe" else {}
     return ModelArch(
         model_type=model_type, num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, vocab_size=vocab, padded_vocab_size=math.ceil(vocab / tp_size) * tp_size,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
-        qk_norm=model_type == "qwen3", rms_norm_eps=float(hf_config.rms_norm_eps),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), rms_norm_eps=float(hf_config.rms_norm_eps),
         rope_theta=_rope(hf_config)[0], max_position_embeddings=hf_config.max_position_embeddings,
-        rope_llama3=_rope(hf_config)[1],
+        rope_llama3=_rope(hf_config)[1], **moe,
     )
+
+
+def _moe_fields(hf_config: Any) -> dict[str, Any]:
+    """ModelArch's MoE fields of a Qwen3-MoE config. Every layer must be an MoE layer (as in Qwen3-30B-A3B and
+    -235B-A22B): dense layers between them (``decoder_sparse_step`` > 1, ``mlp_only_layers``) are refused."""
+    if int(getattr(hf_config, "decoder_sparse_step", 1)) != 1 or list(getattr(hf_config, "mlp_only_layers", []) or []):
+        raise ValueError("MoE models with dense MLP layers between the MoE layers (decoder_sparse_step > 1 or "
+                         "mlp_only_layers) are not supported")
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    return dict(num_experts=int(experts), moe_topk=int(hf_config.num_experts_per_tok),
+                moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+                moe_norm_topk=bool(getattr(hf_config, "norm_topk_prob", False)))
 
 
 def _use_transformer_engine() -> bool:
@@ -111,11 +134,31 @@ def _use_transformer_engine() -> bool:
 
 
 def _layer_spec(arch: ModelArch, use_te: bool) -> Any:
+    """The layer spec; an MoE model's experts are SequentialMLP (one linear pair per expert, HF's layout): the
+    grouped-GEMM experts need CUDA kernels."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = arch.num_experts or None
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def moe_settings(arch: ModelArch, ep_size: int) -> dict[str, Any]:
+    """TransformerConfig's MoE settings computing what HF's Qwen3-MoE block does: softmax router, top-k, weights
+    renormalised when ``norm_topk_prob`` (Megatron: top-k of the logits, then softmax over the k, the same
+    weights) or else the full softmax's; no token dropping, no auxiliary loss; the allgather dispatcher (the
+    alltoall and flex ones call CUDA). Routing replay is ours (routing_replay.install), not Megatron's flag."""
+    if arch.num_experts % ep_size:
+        raise ValueError(f"{arch.num_experts} experts do not split evenly over EP={ep_size}")
+    return dict(
+        num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not arch.moe_norm_topk,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False, expert_model_parallel_size=ep_size,
+    )
 
 
 class PositionIdsRotaryEmbedding(nn.Module):
@@ -178,6 +221,8 @@ def build_gpt_model(
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
     )
+    if arch.is_moe:
+        settings.update(moe_settings(arch, ps.get_expert_model_parallel_world_size()))
     settings.update(config_overrides)
     config = TransformerConfig(**settings)
     model = GPTModel(
@@ -194,6 +239,8 @@ def build_gpt_model(
         rope.inv_freq = rope._apply_scaling(rope.inv_freq, factor=factor, low_freq_factor=low,
                                             high_freq_factor=high, original_max_position_embeddings=original)
     model.rotary_pos_emb = PositionIdsRotaryEmbedding(model.rotary_pos_emb)
+    if arch.is_moe:
+        routing_replay.install(model)
     model.arch = arch
     model.uses_te = use_te
     return model
