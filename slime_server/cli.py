@@ -52,6 +52,7 @@ SETTINGS_FLAGS: dict[str, tuple[str, type]] = {
     "--engine-threads": ("engine.torch_threads", int),
     "--insecure-engines": ("engine.insecure", bool),
     "--enable-lora": ("engine.enable_lora", bool),
+    "--enable-return-routed-experts": ("engine.enable_return_routed_experts", bool),
     "--lora-paths": ("engine.lora_paths", str),
     "--max-lora-rank": ("engine.max_lora_rank", int),
     "--insecure-gateway": ("gateway.insecure", bool),

@@ -102,6 +102,10 @@ class EngineSettings(_Section):
                                                "parameters (llama/mistral/qwen2/qwen3), or HF's model() (reference)")
     prefix_cache_mb: float = Field(512.0, ge=0, description="CPU engine: MiB of finished generations' K/V kept for "
                                    "prompts that extend them (a session's next turn); 0 turns it off")
+    enable_return_routed_experts: bool = Field(False, description="engines answer an MoE model's routed experts "
+                                               "(SGLang's --enable-return-routed-experts) and the gateway records "
+                                               "them with every turn (gateway.record_routed_experts): what routing "
+                                               "replay (a job's moe.routing_replay: rollout) trains with")
     # LoRA serving: SGLang's ServerArgs names, passed to both engine kinds as they are (rollout/actors.lora_args)
     enable_lora: bool = Field(False, description="engines serve LoRA adapters (SGLang's --enable-lora); clients "
                               "pick one with model '<served>:<adapter>'")
@@ -185,6 +189,9 @@ class GatewaySettings(_Section):
                                 "Streamed answers are not retried once a token has left")
     max_continuations: int = Field(3, ge=0, description="partial rollouts: how often a generation an engine "
                                    "aborted on its own (weight update, restart) is continued; 0 = never")
+    record_routed_experts: bool = Field(False, description="ask the engines for an MoE model's routed experts with "
+                                        "every recorded turn and keep them with its trajectory (routing replay); "
+                                        "on whenever engine.enable_return_routed_experts is")
     db_path: str = Field("slime_server.db", description="trajectory store: a SQLite file, or a postgresql:// URL "
                          "for a store shared by several server replicas (`postgres` extra)")
 
@@ -267,6 +274,13 @@ class ServerSettings(BaseSettings):
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     online: OnlineSettingsSection = Field(default_factory=OnlineSettingsSection)
+
+    @model_validator(mode="after")
+    def _routes_recorded_where_answered(self) -> ServerSettings:
+        """Engines that answer routed experts are started so the gateway records them: one switch for both."""
+        if self.engine.enable_return_routed_experts:
+            self.gateway.record_routed_experts = True
+        return self
 
     @classmethod
     def settings_customise_sources(

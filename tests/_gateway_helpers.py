@@ -105,14 +105,15 @@ def inprocess_gateway(router_url: str, model_path: Path, db_path: Path) -> Itera
 
 
 @contextmanager
-def engine_and_router(model_path: Path, log_dir: Path) -> Iterator[str]:
-    """One CPU engine serving ``model_path`` behind the real sgl-router; yields the router URL."""
+def engine_and_router(model_path: Path, log_dir: Path, flags: dict | None = None) -> Iterator[str]:
+    """One CPU engine serving ``model_path`` behind the real sgl-router; yields the router URL. ``flags``: the
+    engine's optional serving flags by SGLang's names (``EngineSpec.lora``)."""
     from slime_server.config import RouterSettings
     from slime_server.rollout.actors import EngineActor, EngineSpec
     from slime_server.rollout.router import RouterProcess
 
     engine = EngineActor(EngineSpec(model_path=str(model_path), log_path=str(log_dir / "engine.log"),
-                                    startup_timeout_s=120), start=False, monitor=False)
+                                    startup_timeout_s=120, lora=flags or {}), start=False, monitor=False)
     engine.start()
     try:
         with RouterProcess(RouterSettings(policy="round_robin"), log_path=log_dir / "router.log") as router:

@@ -76,6 +76,36 @@ class StoreContract:
         assert back.turns == traj.turns and back.revision == 1
 
 
+    def test_routed_experts_round_trip_and_extend(self, store: TrajectoryStore) -> None:
+        """An MoE trajectory's routes (one byte per id up to 256 experts, two above) come back as written, through
+        an update; a trajectory without them reads None."""
+        import numpy as np
+
+        from slime_server.buffer.routed_experts import RoutedExperts
+
+        store.create_session("moe")
+        rng = np.random.default_rng(0)
+        traj = _traj("moe", [-0.5, -0.25])
+        wide = rng.integers(0, 300, size=(len(traj.tokens) - 1, 4, 2))
+        traj = traj.model_copy(update={"routed_experts": RoutedExperts.of(wide)})
+        stored = _write(store, traj)
+        back = store.get_trajectory(stored.id).routed_experts
+        assert back.itemsize == 2 and np.array_equal(back.array(), wide)
+        narrow = rng.integers(0, 128, size=(len(traj.tokens) + 1, 4, 2))  # a next turn: 2 tokens more, 2 routes
+        grown = stored.model_copy(update={
+            "tokens": stored.tokens + [1, 2], "loss_mask": stored.loss_mask + [0, 0],
+            "rollout_logprobs": stored.rollout_logprobs + [0.0, 0.0], "weight_versions": stored.weight_versions + [-1, -1],
+            "routed_experts": RoutedExperts.of(wide).extended(2, narrow[2:])})
+        _write(store, grown)
+        again = store.get_trajectory(stored.id).routed_experts
+        assert again.positions == len(grown.tokens) - 1
+        assert np.array_equal(again.array(), np.concatenate([wide[:2], narrow[2:]]))
+        plain = _write(store, _traj("moe", [-1.0], response_id="chatcmpl-2", segment=1))
+        assert store.get_trajectory(plain.id).routed_experts is None
+        with pytest.raises(ValueError, match="positions"):
+            Trajectory(session_id="moe", tokens=[1], loss_mask=[0], rollout_logprobs=[0.0], weight_versions=[-1],
+                       routed_experts=RoutedExperts.of(np.zeros((2, 4, 2), dtype=int)))
+
     def test_heads_list_what_the_trajectories_list_and_ids_fetch_them_whole(self, store: TrajectoryStore) -> None:
         """The loop chooses a batch from heads (generating versions read from the stored bytes) and then reads
         the chosen whole: both must say what reading every trajectory whole says."""

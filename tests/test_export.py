@@ -98,6 +98,9 @@ SLIME_SAMPLE_FIELDS: dict[str, tuple[type, ...]] = {
     "teacher_log_probs": (list, type(None)), "status": (str,), "metadata": (dict,),
     "generate_function_path": (str, type(None)), "custom_rm_path": (str, type(None)),
     "train_metadata": (dict, type(None)), "session_id": (str, type(None)),
+    # added since (THUDM/slime 0d234f3): the engine's routed experts, a numpy array [positions, layers, topk] in a
+    # live Sample, nested lists in JSON
+    "rollout_routed_experts": (list, type(None)),
 }
 SLIME_STATUS = {"pending", "completed", "truncated", "aborted", "failed"}
 SLIME_LIST_ITEMS = {"tokens": int, "loss_mask": int, "weight_versions": str, "rollout_log_probs": float}

@@ -132,7 +132,7 @@ def test_a_database_written_before_jobs_and_keys_were_versioned_opens_and_keeps_
     keys, store = SQLiteKeyStore(path), SQLiteTrajectoryStore(path)
     try:
         assert [k.id for k in keys.list()] == ["k1"]
-        assert store.schema_version() == 7 and store.get_session("s-old").status == "open"
+        assert store.schema_version() == SQLiteTrajectoryStore.SCHEMA_VERSION and store.get_session("s-old").status == "open"
         assert store.integrity_check() == "ok"
     finally:
         keys.close()

@@ -50,6 +50,7 @@ def create_app(*, router_url: str, renderer: Any, sessions: Any, store: Any,
         if sweeper is not None:
             sweeper.cancel()
         await app.state.gw.engine.aclose()
+        await app.state.gw.direct.aclose()
 
     app = FastAPI(title="slime-server gateway", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over sgl-router; every call is recorded token-exactly.")

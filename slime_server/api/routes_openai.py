@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from slime_server.api import openai_chat
 from slime_server.api.deps import get_gateway, get_principal
-from slime_server.gateway import recording
+from slime_server.gateway import recording, routes
 from slime_server.gateway import turn as core
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import bad_request
@@ -103,13 +103,14 @@ async def completions(req: CompletionRequest, gw: GW, principal: Caller,
     prepared = await recording.prepare_raw(gw.store, session_id, prompt_ids, req.n, owner=principal.session_owner)
     response_id = new_id("cmpl")
     outs = await gw.generate(prepared.session_id, response_id, prompt_ids, params, return_logprob=True,
-                             top_logprobs_num=req.logprobs or 0, route=route)
+                             top_logprobs_num=req.logprobs or 0, route=route, **routes.request_fields(gw, prepared))
     completion = sum(len(o.output_ids) for o in outs)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion,
                   total_tokens=len(prompt_ids) + completion)
     texts = [core.answer_text(gw, o) for o in outs]
     answered_by = route.name if route is not None else None
-    outcomes = [core.outcome(o, i, ResponseMessage(content=t), lora_adapter=answered_by)
+    outcomes = [core.outcome(o, i, ResponseMessage(content=t), lora_adapter=answered_by,
+                             routed_experts=routes.answer_routes(gw, o, len(prompt_ids), prepared.routes_start))
                 for i, (o, t) in enumerate(zip(outs, texts, strict=True))]
     await recording.commit_turn(gw.sessions, prepared, outcomes, response_id, usage)
     choices = []

@@ -47,6 +47,9 @@ class ExportedSample(BaseModel):
     status: SampleStatus
     metadata: dict[str, Any] = Field(default_factory=dict)
     session_id: str | None
+    # slime's MoE field: the engine's top-k experts [positions, layers, topk] of the tokens from the first (all but
+    # the last token; None: not recorded)
+    rollout_routed_experts: list[list[list[int]]] | None = None
 
 
 def _sample_status(t: Trajectory) -> SampleStatus:
@@ -88,6 +91,7 @@ class SampleNumbering:
             tokens=t.tokens, response_length=n, reward=t.reward, loss_mask=t.loss_mask[start:],
             weight_versions=generation_versions(t), rollout_log_probs=t.rollout_logprobs[start:],
             status=_sample_status(t), session_id=t.session_id,
+            rollout_routed_experts=None if t.routed_experts is None else t.routed_experts.array().tolist(),
             metadata={**t.metadata, "trajectory_id": t.id, "group_id": t.group_id, "segment": t.segment,
                       "branch": t.branch, "prompt_length": start, "turn_rewards": t.turn_rewards,
                       "token_weight_versions": t.weight_versions[start:],
@@ -140,6 +144,7 @@ def export_parquet(store: TrajectoryStore, path: str | Path, status: TrajectoryS
         ("label", pa.string()), ("reward", pa.float64()), ("loss_mask", pa.list_(pa.int8())),
         ("weight_versions", pa.list_(pa.string())), ("rollout_log_probs", pa.list_(pa.float64())),
         ("status", pa.string()), ("metadata", pa.string()), ("session_id", pa.string()),
+        ("rollout_routed_experts", pa.list_(pa.list_(pa.list_(pa.int32())))),
     ])
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), str(path))
     return len(rows)

@@ -133,6 +133,10 @@ MIGRATIONS: list[str] = [
         alias TEXT PRIMARY KEY, name TEXT NOT NULL, version INTEGER NOT NULL, job_id TEXT, previous TEXT,
         saved_version INTEGER, saved_path TEXT, created_at {real} NOT NULL, updated_at {real} NOT NULL);
     """,
+    # 8: an MoE model's routed experts per trajectory (buffer/routed_experts.py's bytes), for routing replay.
+    """
+    ALTER TABLE trajectories ADD COLUMN routed_experts {blob};
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from slime_server.buffer.routed_experts import RoutedExperts
 from slime_server.buffer.schema import (
     NormalizedMessage,
     Session,
@@ -25,8 +26,8 @@ from slime_server.buffer.schema import (
 Row = Any
 
 TRAJ_COLUMNS = ("id, session_id, segment, branch, group_id, tokens, loss_mask, rollout_logprobs, "
-                "weight_versions, turns, messages, tools_digest, reward, turn_rewards, status, consumed_step, "
-                "consumed_job, metadata, revision, created_at, updated_at")
+                "weight_versions, routed_experts, turns, messages, tools_digest, reward, turn_rewards, status, "
+                "consumed_step, consumed_job, metadata, revision, created_at, updated_at")
 HEAD_COLUMNS = "id, session_id, group_id, reward, updated_at, loss_mask, weight_versions"
 SESSION_COLUMNS = "id, group_id, metadata, status, key_hash, owner, segment_splits, created_at, updated_at"
 
@@ -61,7 +62,7 @@ def traj_from_row(row: Row) -> Trajectory:
         id=row["id"], session_id=row["session_id"], segment=row["segment"], branch=row["branch"],
         group_id=row["group_id"], tokens=unpack(row["tokens"], "<i4"), loss_mask=unpack(row["loss_mask"], "u1"),
         rollout_logprobs=unpack(row["rollout_logprobs"], "<f8"),
-        weight_versions=unpack(row["weight_versions"], "<i8"),
+        weight_versions=unpack(row["weight_versions"], "<i8"), routed_experts=RoutedExperts.unpack(row["routed_experts"]),
         turns=[Turn.model_validate(t) for t in json.loads(row["turns"])],
         messages=[NormalizedMessage.model_validate(m) for m in json.loads(row["messages"])],
         tools_digest=row["tools_digest"], reward=row["reward"], turn_rewards=json.loads(row["turn_rewards"]),
@@ -83,6 +84,7 @@ def traj_params(t: Trajectory, revision: int, updated_at: float) -> dict[str, An
         "id": t.id, "session_id": t.session_id, "segment": t.segment, "branch": t.branch, "group_id": t.group_id,
         "n_tokens": len(t.tokens), "tokens": pack(t.tokens, "<i4"), "loss_mask": pack(t.loss_mask, "u1"),
         "rollout_logprobs": pack(t.rollout_logprobs, "<f8"), "weight_versions": pack(t.weight_versions, "<i8"),
+        "routed_experts": None if t.routed_experts is None else t.routed_experts.pack(),
         "turns": json.dumps([x.model_dump() for x in t.turns]),
         "messages": json.dumps([m.model_dump(exclude_defaults=True) for m in t.messages]),
         "tools_digest": t.tools_digest, "reward": t.reward, "turn_rewards": json.dumps(t.turn_rewards),

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
+from slime_server.buffer.routed_experts import RoutedExperts
+
 SessionStatus = Literal["open", "closed"]
 TrajectoryStatus = Literal["open", "finished", "aborted"]
 Thumb = Literal["up", "down"]
@@ -162,6 +164,8 @@ class Trajectory(BaseModel):
     loss_mask: list[int] = Field(default_factory=list)
     rollout_logprobs: list[float] = Field(default_factory=list)
     weight_versions: list[int] = Field(default_factory=list)
+    routed_experts: RoutedExperts | None = Field(None, description="an MoE model's routed experts of the first "
+                                                 "positions (all but the last token), from the engines' answers")
     turns: list[Turn] = Field(default_factory=list)
     # Normalised conversation so far (last request's messages + the assistant message returned), and
     # a digest of the tools it was rendered with: what rule (b) of decision 3 compares against.
@@ -182,6 +186,8 @@ class Trajectory(BaseModel):
         n = len(self.tokens)
         if not (len(self.loss_mask) == len(self.rollout_logprobs) == len(self.weight_versions) == n):
             raise ValueError("tokens, loss_mask, rollout_logprobs and weight_versions must have equal length")
+        if self.routed_experts is not None and self.routed_experts.positions > n:
+            raise ValueError(f"routed experts of {self.routed_experts.positions} positions for {n} tokens")
         if not set(self.loss_mask) <= {0, 1}:  # in C: a generator over a long trace cost ms
             raise ValueError("loss_mask holds only 0 and 1")
         return self

@@ -61,13 +61,14 @@ from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore, TurnWrite
 
 _INSERT_TRAJECTORY = (
     "INSERT INTO trajectories (id, session_id, segment, branch, group_id, n_tokens, tokens, loss_mask, "
-    "rollout_logprobs, weight_versions, turns, messages, tools_digest, reward, turn_rewards, status, consumed_step, "
-    "metadata, revision, created_at, updated_at) VALUES (:id, :session_id, :segment, :branch, :group_id, :n_tokens, "
-    ":tokens, :loss_mask, :rollout_logprobs, :weight_versions, :turns, :messages, :tools_digest, :reward, "
+    "rollout_logprobs, weight_versions, routed_experts, turns, messages, tools_digest, reward, turn_rewards, status, "
+    "consumed_step, metadata, revision, created_at, updated_at) VALUES (:id, :session_id, :segment, :branch, "
+    ":group_id, :n_tokens, :tokens, :loss_mask, :rollout_logprobs, :weight_versions, :routed_experts, :turns, :messages, :tools_digest, :reward, "
     ":turn_rewards, :status, :consumed_step, :metadata, :revision, :created_at, :updated_at) ON CONFLICT DO NOTHING")
 _UPDATE_TRAJECTORY = (
     "UPDATE trajectories SET n_tokens = :n_tokens, tokens = :tokens, loss_mask = :loss_mask, "
-    "rollout_logprobs = :rollout_logprobs, weight_versions = :weight_versions, turns = :turns, messages = :messages, "
+    "rollout_logprobs = :rollout_logprobs, weight_versions = :weight_versions, routed_experts = :routed_experts, "
+    "turns = :turns, messages = :messages, "
     "tools_digest = :tools_digest, reward = :reward, turn_rewards = :turn_rewards, status = :status, "
     "metadata = :metadata, revision = :revision, updated_at = :updated_at "
     "WHERE id = :id AND session_id = :session_id AND revision = :old_revision AND status = 'open'")

@@ -16,6 +16,7 @@ from slime_server.buffer.key_store import KeyStore
 from slime_server.buffer.store import TrajectoryStore
 from slime_server.config import GatewaySettings
 from slime_server.gateway.adapters import AdapterDirectory
+from slime_server.gateway.direct_engines import DirectEngines
 from slime_server.gateway.engine_client import EngineClient
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.pacing import Pacer
@@ -55,9 +56,11 @@ class Gateway:
     reasoning: ReasoningParser | None = field(init=False)
     pacer: Pacer = field(init=False)
     adapters: AdapterDirectory = field(init=False)
+    direct: DirectEngines = field(init=False)  # calls that must reach an engine whole (recorded routes)
 
     def __post_init__(self) -> None:
         self.pacer = Pacer(self.store, lambda: self.jobs)
+        self.direct = DirectEngines(self.engine)
         self.adapters = AdapterDirectory(self.engine, self.model_name)
         template = getattr(getattr(self.renderer, "tokenizer", None), "chat_template", None)
         self.tool_parser = get_tool_parser(self.settings.tool_parser, template if isinstance(template, str) else None)
@@ -116,7 +119,8 @@ class Gateway:
             return await abort_everywhere(self.engine.base_url, rids, self.engine.http)
 
         route = kw.pop("route", None)  # a LoRA adapter's (gateway/adapters.py): re-sent when its version left
-        engine_call = self.adapters.unary(self.engine.generate, route) if route is not None else self.engine.generate
+        generate = self.direct.generate(session_id) if kw.get("return_routed_experts") else self.engine.generate
+        engine_call = self.adapters.unary(generate, route) if route is not None else generate
         try:
             outs, continued = await generate_continuing(
                 abort_resending(engine_call, self.inflight.aborted, abort), input_ids, params, rid=rid,
@@ -150,8 +154,9 @@ class Gateway:
             return await abort_everywhere(self.engine.base_url, rids, self.engine.http)
 
         route = kw.pop("route", None)
-        engine_stream = self.adapters.streamed(self.engine.generate_stream, route) if route is not None \
+        stream = self.direct.generate_stream(session_id) if kw.get("return_routed_experts") \
             else self.engine.generate_stream
+        engine_stream = self.adapters.streamed(stream, route) if route is not None else stream
         try:
             async for out in stream_samples(engine_stream, input_ids, params, rid,
                                             aborted=self.inflight.aborted, abort=abort, register=register,

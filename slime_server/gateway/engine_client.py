@@ -41,6 +41,7 @@ class EngineClient:
         # the engine key goes with every call (generate, abort, dashboard probes); a client's own
         # Authorization header is never forwarded
         self._timeout, self._max_connections, self._headers = timeout, max_connections, auth_headers(api_key)
+        self._api_key = api_key
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0),
                                        limits=limits, headers=self._headers)
         self._session: aiohttp.ClientSession | None = None
@@ -49,6 +50,11 @@ class EngineClient:
     @property
     def http(self) -> httpx.AsyncClient:
         return self._http
+
+    def sibling(self, base_url: str) -> EngineClient:
+        """A client of another server (an engine behind this router) with this one's timeout, pool and key."""
+        return EngineClient(base_url, timeout=self._timeout, max_connections=self._max_connections,
+                            api_key=self._api_key)
 
     def _generate_session(self) -> aiohttp.ClientSession:
         """The aiohttp session of the running loop (made on first use: aiohttp binds it to its loop)."""
@@ -69,9 +75,13 @@ class EngineClient:
     @staticmethod
     def build_request(input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
                       top_logprobs_num: int = 0, rid: str | None = None, stream: bool = False,
-                      lora_path: str | None = None) -> dict[str, Any]:
+                      lora_path: str | None = None, return_routed_experts: bool = False,
+                      routed_experts_start_len: int = 0) -> dict[str, Any]:
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
                                 "return_logprob": return_logprob, "stream": stream}
+        if return_routed_experts:  # an MoE model's routes from position routed_experts_start_len (SGLang's fields)
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routed_experts_start_len
         if lora_path is not None:  # SGLang's field: the adapter's name (sgl-router passes it through)
             body["lora_path"] = lora_path
         if top_logprobs_num:

@@ -128,6 +128,8 @@ def splice(first: GenerateOutput, more: GenerateOutput,
         if a.output_top_logprobs is not None or b.output_top_logprobs is not None else None,
         "weight_versions": spans,
         "e2e_latency": (a.e2e_latency or 0.0) + (b.e2e_latency or 0.0) or None,
+        # the continuation was asked from the same start over prompt + first's tokens: its routes cover both
+        "routed_experts": b.routed_experts,
     })
     text = (first.text + more.text if token_bytes is None else
             join_texts(first.text, first.output_ids, more.text, more.output_ids, token_bytes))

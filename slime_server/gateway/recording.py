@@ -32,6 +32,7 @@ class ChoiceOutcome:
     message: ResponseMessage
     grammar: dict[str, str] | None = None  # the sampling_params grammar it was decoded under (constraints.py)
     lora_adapter: str | None = None  # the LoRA adapter that generated it (None: the base)
+    routed_experts: Any = None  # an MoE model's routes from the turn's routes_start (buffer/routed_experts.py)
 
 
 async def prepare_turn(sessions: Any, session_id: str | None, messages: list[dict[str, Any]],
@@ -73,6 +74,7 @@ async def commit_turn(sessions: Any, prepared: Any, outcomes: list[ChoiceOutcome
             output_ids=o.output_ids, output_logprobs=o.output_logprobs, weight_version=o.weight_version,
             finish_reason=o.finish_reason, message=o.message.model_dump(exclude_none=True),
             response_id=response_id, usage=usage.model_dump(), grammar=o.grammar, lora_adapter=o.lora_adapter,
+            routed_experts=o.routed_experts,
         )
         for o in outcomes
     ]

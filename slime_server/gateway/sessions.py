@@ -30,6 +30,7 @@ from typing import Any, Literal
 from prometheus_client import Counter
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
+from slime_server.buffer.routed_experts import RoutedExperts
 from slime_server.buffer.schema import (
     NormalizedMessage,
     Session,
@@ -89,6 +90,7 @@ class ChoiceResult(BaseModel):
     usage: dict[str, Any] = Field(default_factory=dict)
     grammar: dict[str, str] | None = None
     lora_adapter: str | None = None
+    routed_experts: RoutedExperts | None = None  # an MoE model's routes from PreparedTurn.routes_start on
 
     @field_validator("message", mode="before")
     @classmethod
@@ -121,6 +123,8 @@ class PreparedTurn(BaseModel):
     mode: TurnMode
     base_trajectory_id: str | None = None  # the trajectory this turn extends (None: a new one)
     base_len: int = 0  # how many of the base's tokens ``prompt_ids`` starts with
+    routes_start: int = 0  # an MoE model's routes held for the prompt's first positions: the engine's answer adds
+    #                        the rest (SGLang's routed_experts_start_len)
     segment: int = 0
     prompt_ids: list[int]
     messages: list[NormalizedMessage]
@@ -229,7 +233,7 @@ class SessionManager:
         for t in open_:  # rule (a): the new prompt's ids extend the trajectory's ids
             if len(ids) > len(t.tokens) and ids[: len(t.tokens)] == t.tokens:
                 return PreparedTurn(mode="merge", base_trajectory_id=t.id, base_len=len(t.tokens),
-                                    segment=t.segment, prompt_ids=ids, **common)
+                                    segment=t.segment, prompt_ids=ids, routes_start=_held(t), **common)
         for t in open_:  # rule (b): the messages extend the trajectory's messages
             if t.tools_digest != common["tools_digest"] or not extends_conversation(t.messages, msgs):
                 continue
@@ -240,7 +244,8 @@ class SessionManager:
                 continue
             closing = [] if t.tokens[-1] in self.renderer.stop_token_ids else [self.renderer.eos_token_id]
             return PreparedTurn(mode="reuse", base_trajectory_id=t.id, base_len=len(t.tokens),
-                                segment=t.segment, prompt_ids=t.tokens + closing + suffix, **common)
+                                segment=t.segment, prompt_ids=t.tokens + closing + suffix, routes_start=_held(t),
+                                **common)
         segment = max((t.segment for t in trajectories), default=-1) + 1
         return PreparedTurn(mode="split" if trajectories else "new", segment=segment, prompt_ids=ids, **common)
 
@@ -322,6 +327,7 @@ class SessionManager:
             traj.turns = [t.model_copy() for t in turns]
             traj.turn_rewards = list(base.turn_rewards[: len(turns)])
             traj.metadata = {"forked_from": base.id}
+            traj.routed_experts = None if base.routed_experts is None else base.routed_experts.head(k)
         return traj
 
     @staticmethod
@@ -340,10 +346,28 @@ class SessionManager:
                     output_end=len(tokens), finish_reason=choice.finish_reason, tool_calls=assistant.tool_calls,
                     grammar=choice.grammar, lora_adapter=choice.lora_adapter)
         traj.tokens, traj.loss_mask, traj.rollout_logprobs, traj.weight_versions = tokens, mask, logprobs, versions
+        traj.routed_experts = _joined_routes(traj.routed_experts, prepared.routes_start, choice.routed_experts)
         traj.turns = [*traj.turns, turn]
         traj.turn_rewards = [*traj.turn_rewards, None]
         traj.messages = [*prepared.messages, assistant]
         traj.tools_digest = prepared.tools_digest
+
+
+def _held(t: Trajectory) -> int:
+    """How many leading positions of ``t`` have routes (an MoE model's; 0 otherwise)."""
+    return t.routed_experts.positions if t.routed_experts is not None else 0
+
+
+def _joined_routes(held: RoutedExperts | None, start: int, answer: RoutedExperts | None) -> RoutedExperts | None:
+    """The routes held for positions [0, start), then the turn's answer's (the engine's from ``start``). A turn
+    answered without routes leaves none: routes that stop short of the tokens are never replayed as if whole."""
+    if answer is None:
+        return None
+    if start == 0:
+        return answer
+    if held is None or held.positions < start:  # not what the answer continues: none rather than misaligned
+        return None
+    return held.extended(start, answer.array())
 
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from slime_server.gateway import constraints, recording
+from slime_server.gateway import constraints, recording, routes
 from slime_server.gateway.adapters import AdapterRoute
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError, bad_request
@@ -199,14 +199,16 @@ def answer_text(gw: Gateway, out: GenerateOutput) -> str:
 
 
 def outcome(out: GenerateOutput, index: int, message: ResponseMessage,
-            grammar: dict[str, str] | None = None, lora_adapter: str | None = None) -> recording.ChoiceOutcome:
+            grammar: dict[str, str] | None = None, lora_adapter: str | None = None,
+            routed_experts: Any = None) -> recording.ChoiceOutcome:
     mi = out.meta_info
     logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in (mi.output_token_logprobs or [])]
     versions = mi.token_versions(len(out.output_ids))
     return recording.ChoiceOutcome(index=index, output_ids=list(out.output_ids), output_logprobs=logprobs,
                                    weight_version=versions,
                                    finish_reason=mi.finish_reason.type if mi.finish_reason else "abort",
-                                   message=message, grammar=grammar, lora_adapter=lora_adapter)
+                                   message=message, grammar=grammar, lora_adapter=lora_adapter,
+                                   routed_experts=routed_experts)
 
 
 # ----------------------------------------------------------------------------- request flow
@@ -268,7 +270,8 @@ class ChatTurn:
             presence_penalty=req.presence_penalty, ignore_eos=req.ignore_eos)
         params.update(self.constraint.grammar or {})
         return {"input_ids": prompt_ids, "sampling_params": params,
-                "top_logprobs_num": (req.top_logprobs or 0) if req.logprobs else 0, "route": self.route}
+                "top_logprobs_num": (req.top_logprobs or 0) if req.logprobs else 0, "route": self.route,
+                **routes.request_fields(gw, self.prepared)}
 
     def usage(self, outs: list[GenerateOutput]) -> Usage:
         prompt = len(self.prepared.prompt_ids)
@@ -278,7 +281,8 @@ class ChatTurn:
     async def record(self, outs: list[GenerateOutput], messages: list[ResponseMessage]) -> Usage:
         usage = self.usage(outs)
         adapter = self.route.name if self.route is not None else None  # the version that answered
-        outcomes = [outcome(o, i, m, self.constraint.grammar, adapter)
+        start, n_prompt = self.prepared.routes_start, len(self.prepared.prompt_ids)
+        outcomes = [outcome(o, i, m, self.constraint.grammar, adapter, routes.answer_routes(self.gw, o, n_prompt, start))
                     for i, (o, m) in enumerate(zip(outs, messages, strict=True))]
         await recording.commit_turn(self.gw.sessions, self.prepared, outcomes, self.response_id, usage)
         return usage
@@ -288,7 +292,7 @@ class ChatTurn:
         gw = self.gw
         outs = await gw.generate(self.prepared.session_id, self.response_id, call["input_ids"],
                                  call["sampling_params"], return_logprob=True,
-                                 top_logprobs_num=call["top_logprobs_num"], route=call["route"])
+                                 **{k: v for k, v in call.items() if k not in ("input_ids", "sampling_params")})
         messages = [build_message(gw, self.prefill + answer_text(gw, o), self.parse_tools) for o in outs]
         usage = await self.record(outs, messages)
         return TurnResult(outs=outs, messages=messages, usage=usage)

@@ -128,7 +128,7 @@ async def turn_events(gw: Gateway, turn: ChatTurn, call: dict[str, Any], *,
     # carries on where it was; an error reaches here only when the retries are spent or it is the client's
     async for out in gw.generate_stream(turn.prepared.session_id, turn.response_id, call["input_ids"],
                                         call["sampling_params"], return_logprob=True,
-                                        top_logprobs_num=call["top_logprobs_num"], route=call["route"]):
+                                        **{k: v for k, v in call.items() if k not in ("input_ids", "sampling_params")}):
         i = out.index or 0
         if not 0 <= i < n:
             continue

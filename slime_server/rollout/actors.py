@@ -41,8 +41,8 @@ class EngineSpec(BaseModel):
     cpus: list[int] | None = Field(None, description="cores the engine process runs on (None: any)")
     cpu_forward: Literal["lean", "hf"] = "lean"
     prefix_cache_mb: float = 512.0
-    lora: dict[str, Any] = Field(default_factory=dict, description="LoRA serving flags by SGLang's ServerArgs names "
-                                 "(lora_args), for either kind")
+    lora: dict[str, Any] = Field(default_factory=dict, description="optional serving flags by SGLang's ServerArgs "
+                                 "names (lora_args: LoRA, routed experts), for either kind")
     sglang_args: dict[str, Any] = Field(default_factory=dict)
     startup_timeout_s: float = 300.0
     health_interval_s: float = 5.0
@@ -69,12 +69,13 @@ LORA_FIELDS = ("enable_lora", "lora_paths", "max_lora_rank", "lora_target_module
 
 
 def lora_args(engine: EngineSettings) -> dict[str, Any]:
-    """The engine settings' LoRA flags, named as SGLang's ServerArgs (and the CPU engine's flags) name them; none
-    unless LoRA is on (``enable_lora`` or adapters to load)."""
+    """The engine settings' optional serving flags, named as SGLang's ServerArgs (and the CPU engine's flags) name
+    them: LoRA's unless LoRA is off (``enable_lora`` or adapters to load), and an MoE model's routed experts."""
+    routes = {"enable_return_routed_experts": True} if engine.enable_return_routed_experts else {}
     if not (engine.enable_lora or engine.lora_paths):
-        return {}
+        return routes
     args = {name: getattr(engine, name) for name in LORA_FIELDS}
-    return {**args, "enable_lora": True, "lora_paths": args["lora_paths"] or None}
+    return {**args, "enable_lora": True, "lora_paths": args["lora_paths"] or None, **routes}
 
 
 def engine_command(spec: EngineSpec, port: int) -> list[str]:
