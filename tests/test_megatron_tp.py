@@ -25,14 +25,14 @@ WORKER = Path(__file__).with_name("_megatron_tp_worker.py")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_ranks(world_size: int, args: list[str], timeout: float = 180.0) -> list[dict]:
-    """Run the worker once per rank (gloo, torchrun-style env) and load each rank's results."""
+def _run_ranks(world_size: int, args: list[str], timeout: float = 180.0, worker: Path = WORKER) -> list[dict]:
+    """Run ``worker`` once per rank (gloo, torchrun-style env) and load each rank's results."""
     port = str(find_free_port())
     procs = []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, cwd=REPO,
+        procs.append(subprocess.Popen([sys.executable, str(worker), *args], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in procs]

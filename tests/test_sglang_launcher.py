@@ -241,3 +241,23 @@ def test_lora_settings_reach_both_engine_kinds_as_sglang_flags() -> None:
         True, ["a=/adapters/a", "b=/adapters/b"], 32, 16)
     assert lora_args(EngineSettings()) == {}
     assert "--enable-lora" not in engine_command(EngineSpec(model_path="m"), 1)
+
+
+def test_the_routed_experts_flag_reaches_both_engine_kinds() -> None:
+    """Issue 44: ``engine.enable_return_routed_experts`` is SGLang's ``--enable-return-routed-experts`` (a field of
+    0.5.23's ServerArgs) for SGLang and for the CPU engine, beside LoRA's flags or alone; and it turns the gateway's
+    recording on."""
+    from slime_server.config import load_settings
+    from slime_server.rollout.actors import lora_args
+    from slime_server.rollout.engine_server import build_parser as engine_parser
+
+    for engine in (EngineSettings(kind="sglang", enable_return_routed_experts=True),
+                   EngineSettings(kind="sglang", enable_return_routed_experts=True, enable_lora=True)):
+        args = lora_args(engine)
+        cmd = build_sglang_command(engine, "m", 1, optional_args=args, known_args=sglang_0_5_23_server_arg_names())
+        assert "--enable-return-routed-experts" in cmd
+        cpu = engine_command(EngineSpec(model_path="m", lora=args), 1)
+        assert engine_parser().parse_args(cpu[cpu.index("--model-path"):]).enable_return_routed_experts is True
+    assert "--enable-return-routed-experts" not in engine_command(EngineSpec(model_path="m"), 1)
+    assert load_settings(None, {"engine": {"enable_return_routed_experts": True}}).gateway.record_routed_experts
+    assert not load_settings(None, {}).gateway.record_routed_experts

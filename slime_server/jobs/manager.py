@@ -69,8 +69,9 @@ class JobManager:
                  api_key: str | None = None, default_evals: list[tuple[str, str]] | None = None,
                  default_eval_env: str | None = None, engine_api_key: str | None = None,
                  model_path: str | None = None, lora_enabled: bool = False, max_lora_rank: int | None = None,
-                 adapters: AdapterStore | None = None) -> None:
+                 adapters: AdapterStore | None = None, routes_recorded: bool = False) -> None:
         self.store = store
+        self.routes_recorded = routes_recorded  # the gateway records MoE routes (what routing replay trains with)
         self.lora_enabled, self.max_lora_rank = lora_enabled, max_lora_rank  # what the engines can serve
         self.adapters = adapters  # published adapters' aliases (LoRA jobs publishing adapters)
         self.model_path = model_path  # the served model's directory: its tokenizer renders SFT conversations
@@ -109,6 +110,10 @@ class JobManager:
             raise JobError(400, f"base_model {spec.base_model!r} is not the served model {self.served_model!r}; "
                            "a live job trains the policy the engines serve", "invalid_value")
         check_serving(spec, self.lora_enabled, self.max_lora_rank)
+        if spec.moe.routing_replay == "rollout" and not self.routes_recorded:
+            raise JobError(400, "moe.routing_replay 'rollout' trains with the engines' routed experts, which this "
+                           "server does not record: start it with --enable-return-routed-experts "
+                           "(engine.enable_return_routed_experts)", "routes_not_recorded")
         if publishes_adapter(spec) and self.adapters is None:
             raise JobError(400, "this server keeps no adapter aliases (no store path); set lora.publish to 'merged'",
                            "lora_not_enabled")

@@ -18,6 +18,7 @@ from slime_server.trainer.settings import (
     LoopState,
     LoRASettings,
     LossConfig,
+    MoESettings,
     OptimizerSettings,
 )
 
@@ -121,6 +122,8 @@ class JobSpec(_Strict):
     rejection: RejectionSpec | None = Field(None, description="rejection sampling: with algorithm 'sft' on "
                                             "played or live episodes, train only the samples that pass")
     loop: LoopSettings = Field(default_factory=LoopSettings)
+    moe: MoESettings = Field(default_factory=MoESettings, description="a mixture-of-experts model's routing: replay "
+                             "the engine's routes in the trainer (routing_replay: rollout) or not")
     loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (loss_type: the objective, "
                                  "apart from the estimator `algorithm` picks, e.g. grpo advantages under 'cispo'; "
                                  "eps_clip, eps_clip_high, "
@@ -213,7 +216,8 @@ class JobSpec(_Strict):
 
     def loop_settings(self) -> LoopSettings:
         adv = self.loop.advantage.model_copy(update={"estimator": self.estimator()})
-        return self.loop.model_copy(update={"advantage": AdvantageConfig.model_validate(adv.model_dump())})
+        return self.loop.model_copy(update={"advantage": AdvantageConfig.model_validate(adv.model_dump()),
+                                            "moe": self.moe})
 
 
 class JobView(BaseModel):

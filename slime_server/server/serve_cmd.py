@@ -93,7 +93,8 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
                       gateway_url=f"http://{host}:{gw.settings.port}/v1", api_key=gw.settings.api_key,
                       default_evals=default_evals or [], default_eval_env=eval_env, engine_api_key=engine_api_key,
                       model_path=model_path, lora_enabled=settings.engine.enable_lora,
-                      max_lora_rank=settings.engine.max_lora_rank, adapters=gw.adapters.aliases)
+                      max_lora_rank=settings.engine.max_lora_rank, adapters=gw.adapters.aliases,
+                      routes_recorded=gw.settings.record_routed_experts)
     gw.jobs = jobs
     restored = jobs.restore()
     if restored:

@@ -365,7 +365,27 @@ def iter_hf_tensors(model: nn.Module, staging: Staging | None = None) -> Iterato
         linear = name.removesuffix(".weight")
         if linear in adapted:
             full = full + _adapter_delta(inner, linear, offset).to(full.device, full.dtype)
-        yield from megatron_tensor_to_hf(key, full, inner.arch, staging)
+        for expert_key, tensor in gather_ep(key, full, inner.arch):
+            yield from megatron_tensor_to_hf(expert_key, tensor, inner.arch, staging)
+
+
+def gather_ep(key: str, tensor: torch.Tensor, arch: ModelArch) -> list[tuple[str, torch.Tensor]]:
+    """An expert's tensor from every expert-parallel rank (a collective of the EP group): EP rank r's local expert
+    i is global expert ``r * local + i``, named so; anything else, or EP = 1, is (key, tensor) itself."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    m = _LAYER.match(key)
+    e = _EXPERT.match(m.group(2)) if m else None
+    ep = ps.get_expert_model_parallel_world_size() if arch.is_moe else 1
+    if e is None or ep == 1:
+        return [(key, tensor)]
+    local = arch.num_experts // ep
+    index = int(e.group(1)) % local  # the global name of this rank's expert, back to its local slot
+    pieces = [torch.empty_like(tensor) for _ in range(ep)]
+    dist.all_gather(pieces, tensor.contiguous(), group=ps.get_expert_model_parallel_group())
+    return [(f"decoder.layers.{m.group(1)}.mlp.experts.local_experts.{r * local + index}.{e.group(2)}.weight", t)
+            for r, t in enumerate(pieces)]
 
 
 def _adapter_delta(inner: nn.Module, linear: str, offset: int) -> torch.Tensor:

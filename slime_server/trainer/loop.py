@@ -294,7 +294,8 @@ class TrainLoop:
                 self._reject([], rejected)
                 return None
         whole = self.store.get_trajectories_by_id([t.id for t in chosen])
-        samples = [to_train_sample(t, self.grammar_masker) for t in whole]
+        replay = self.settings.moe.routing_replay == "rollout"
+        samples = [to_train_sample(t, self.grammar_masker, routes=replay) for t in whole]
         if self.users is not None:  # each through its user's adapter
             samples = self.users.assign(whole, samples)
             if self._unpublished is not None:

@@ -13,6 +13,7 @@ block-diagonal causal mask and RoPE at their own positions, so packed == unpacke
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -346,6 +347,9 @@ def forward_micro_batch(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     device = next(model.parameters()).device
     tokens, position_ids, mask = mb.model_inputs()
     rows = None if mb.adapter_rows is None else mb.adapter_rows.to(device)
-    with rows_through(rows):  # a multi-adapter LoRA trainer: each row through its sample's adapter
+    replay: Any = contextlib.nullcontext()
+    if mb.route_rows is not None and unwrap(model).arch.is_moe:  # each row through its recorded experts (R3)
+        replay = routing_replay.replaying(model, routing_replay.stage_routes(model, mb.route_rows))
+    with rows_through(rows), replay:  # a multi-adapter LoRA trainer: each row through its sample's adapter
         return forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
                               None if mask is None else mask.to(device), gather=False)

@@ -46,6 +46,9 @@ class MicroBatch:
     grammar_bitmask: bytes | None = None  # K rows of int32 words
     # a multi-adapter LoRA trainer: the adapter of each forward row (long [R]; None: every row adapter 0)
     adapter_rows: torch.Tensor | None = None
+    # MoE routing replay: each row's recorded top-k experts per layer (long [T, layers, k]; -1: none recorded, the
+    # router chooses), None: no sample carries routes
+    route_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -128,8 +131,29 @@ def _pack(samples: Sequence[TrainSample], idx: list[int], weights: dict[Aggregat
         token_weights={agg: torch.cat([w[i] for i in idx]).to(torch.float32) for agg, w in weights.items()},
         adapter_rows=torch.tensor([s.adapter for s in picked for _ in s.tokens], dtype=torch.long)
         if any(s.adapter for s in picked) else None,
+        route_rows=_routes(picked, lens),
         **_grammar(picked, lens),
     )
+
+
+def _routes(picked: list[TrainSample], lens: list[int]) -> torch.Tensor | None:
+    """The packed row's recorded routes [T, layers, k]: each sample's, -1 past them (its last token, or a sample
+    recorded without routes)."""
+    found = [s.routed_experts for s in picked if s.routed_experts is not None]
+    if not found:
+        return None
+    layers, topk = found[0].layers, found[0].topk
+    rows = torch.full((sum(lens), layers, topk), -1, dtype=torch.long)
+    offset = 0
+    for s, n in zip(picked, lens, strict=True):
+        r = s.routed_experts
+        if r is not None:
+            if (r.layers, r.topk) != (layers, topk):
+                raise ValueError(f"samples carry routes of [{r.layers}, {r.topk}] and [{layers}, {topk}]")
+            held = torch.from_numpy(r.array()[:n])
+            rows[offset:offset + len(held)] = held
+        offset += n
+    return rows
 
 
 def _grammar(picked: list[TrainSample], lens: list[int]) -> dict[str, Any]:
@@ -173,7 +197,10 @@ def pack_samples(
     if any(not 0 <= i < len(samples) for i in chosen) or len(set(chosen)) != len(chosen):
         raise ValueError("subset must hold distinct indices into samples")
     weights = global_token_weights(samples)
-    if share_prefixes and len({samples[i].tokens[0] for i in chosen}) < len(chosen):
+    # with recorded routes, no token tree: samples sharing a prefix may carry different routes for it (a prefix the
+    # engine computed again after a weight update); each is replayed on its own rows
+    routed = any(samples[i].routed_experts is not None for i in chosen)
+    if share_prefixes and not routed and len({samples[i].tokens[0] for i in chosen}) < len(chosen):
         # a prefix is shared only under one adapter (its hidden states differ under another): the trie is built
         # over (adapter, token) keys, and each row's adapter read back from its key
         keyed = {i: [samples[i].adapter << _KEY_BITS | t for t in samples[i].tokens] for i in chosen}

@@ -59,11 +59,12 @@ def _init_process_group(backend: str, timeout_s: float, store: dist.TCPStore | N
 
 def init_parallel(
     tp_size: int = 1, pp_size: int = 1, *, seed: int = 1234, backend: str | None = None,
-    timeout_s: float = 600.0, store: dist.TCPStore | None = None,
+    timeout_s: float = 600.0, store: dist.TCPStore | None = None, ep_size: int = 1,
 ) -> ParallelLayout:
     """Initialise torch.distributed (if needed) and Megatron's TP/PP/DP groups; seed RNGs.
 
-    DP size is whatever is left: world_size / (tp_size * pp_size). ``store``: rank 0's ``open_rendezvous``
+    DP size is whatever is left: world_size / (tp_size * pp_size); an MoE model's experts split over ``ep_size``
+    of the DP ranks (expert parallelism, carved out of DP as Megatron does). ``store``: rank 0's ``open_rendezvous``
     (the other ranks join it by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
     """
     from megatron.core import parallel_state, tensor_parallel
@@ -82,6 +83,7 @@ def init_parallel(
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+        expert_model_parallel_size=ep_size,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return current_layout()
@@ -110,9 +112,10 @@ def destroy_parallel() -> None:
 
 
 @contextmanager
-def parallel_context(tp_size: int = 1, pp_size: int = 1, *, seed: int = 1234) -> Iterator[ParallelLayout]:
+def parallel_context(tp_size: int = 1, pp_size: int = 1, *, seed: int = 1234, ep_size: int = 1
+                     ) -> Iterator[ParallelLayout]:
     """``init_parallel`` for the duration of a block (tests, conversion tools)."""
-    layout = init_parallel(tp_size, pp_size, seed=seed)
+    layout = init_parallel(tp_size, pp_size, seed=seed, ep_size=ep_size)
     try:
         yield layout
     finally:

@@ -65,7 +65,7 @@ class RouteReplay:
 
     mode: str = "off"  # off | record | replay
     target: torch.Tensor | None = None  # [tokens, topk] while replaying
-    recorded: torch.Tensor | None = None
+    recorded: torch.Tensor | None = None  # record mode: the router's choice; replay mode: the ids the forward used
     agreement: Agreement = field(default_factory=Agreement)
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
@@ -85,9 +85,37 @@ class RouteReplay:
         ids = target.to(scores.device, torch.long)
         with torch.no_grad():
             natural = default_compute_topk(scores, topk, num_groups, group_topk)[1]
-            self.agreement.matched += int((natural.unsqueeze(2) == ids.unsqueeze(1)).any(dim=1).sum())
-            self.agreement.total += ids.numel()
+            known = (ids >= 0).all(dim=1, keepdim=True)  # a row of -1: nothing recorded, the router chooses
+            ids = torch.where(known, ids, natural)
+            agreed = (natural.unsqueeze(2) == ids.unsqueeze(1)).any(dim=1) & known
+            self.agreement.matched += int(agreed.sum())
+            self.agreement.total += int(known.sum()) * topk
+            totals.matched += int(agreed.sum())
+            totals.total += int(known.sum()) * topk
+        self.recorded = ids
         return scores.gather(1, ids), ids
+
+
+totals = Agreement()  # every replayed forward's agreement in this process, until reset (a step's metric)
+
+
+def take_totals() -> Agreement:
+    """The agreement summed since the last call (and reset)."""
+    global totals
+    out, totals = totals, Agreement()
+    return out
+
+
+def stage_routes(model: nn.Module, routes: torch.Tensor) -> torch.Tensor:
+    """The columns of recorded routes [tokens, all layers, k] for this pipeline stage's layers."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    layers = inner.decoder.layers
+    if routes.shape[1] != inner.arch.num_layers:
+        raise ValueError(f"recorded routes cover {routes.shape[1]} layers; the model has {inner.arch.num_layers}")
+    first = layers[0].layer_number - 1 if len(layers) else 0
+    return routes[:, first:first + len(layers)]
 
 
 def install(model: nn.Module) -> None:

@@ -15,9 +15,10 @@ from slime_server.trainer.types import TrainSample
 log = logging.getLogger(__name__)
 
 
-def to_train_sample(t: Trajectory, masker: GrammarMasker | None = None) -> TrainSample:
+def to_train_sample(t: Trajectory, masker: GrammarMasker | None = None, routes: bool = False) -> TrainSample:
     """The trainer's sample of a stored trajectory. Turns decoded under a grammar are stored at loss mask 0; with
-    a ``masker`` their masks are rebuilt and they train, scored under the same masks (trainer/grammar_masks.py)."""
+    a ``masker`` their masks are rebuilt and they train, scored under the same masks (trainer/grammar_masks.py).
+    ``routes``: carry its recorded MoE routes (routing replay)."""
     teacher = t.metadata.get("teacher_logprobs")  # online hints (online/feedback.py), aligned to tokens
     mask, positions, bitmask = t.loss_mask, None, None
     if masker is not None and any(turn.grammar for turn in t.turns):
@@ -34,6 +35,7 @@ def to_train_sample(t: Trajectory, masker: GrammarMasker | None = None) -> Train
     return TrainSample(tokens=t.tokens, loss_mask=mask, rollout_logprobs=t.rollout_logprobs,
                        reward=float(t.reward or 0.0), group_id=t.group_id, weight_versions=t.weight_versions,
                        sample_id=t.id, grammar_positions=positions, grammar_bitmask=bitmask,
+                       routed_experts=t.routed_experts if routes else None,
                        teacher_logprobs=teacher if isinstance(teacher, list) and len(teacher) == len(t.tokens)
                        else None)
 

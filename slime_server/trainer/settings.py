@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slime_server.buffer.adapter_store import USER_ALIAS_PREFIX
 from slime_server.lora_format import PROJECTIONS
@@ -157,6 +157,16 @@ class OPDWeights(BaseModel):
     w_opd: float = Field(1.0, ge=0)
 
 
+class MoESettings(BaseModel):
+    """A mixture-of-experts job's routing (trainer/routing_replay.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    routing_replay: Literal["rollout", "off"] = Field(
+        "off", description="rollout: every forward routes each token to the experts the engine chose for it (R3; "
+        "needs the server's --enable-return-routed-experts); off: the trainer's router chooses")
+
+
 class LoopSettings(BaseModel):
     """Knobs of the loop (slime's names where it has one)."""
 
@@ -183,6 +193,7 @@ class LoopSettings(BaseModel):
     advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(estimator="reinforce_plus_plus"))
     opd: OPDWeights | None = Field(None, description="on-policy distillation for samples carrying teacher "
                                    "log-probs (online hints): A = w_rl * A + w_opd * (teacher - student)")
+    moe: MoESettings = Field(default_factory=MoESettings, description="set from the job spec's moe")
 
     @model_validator(mode="after")
     def _check(self) -> LoopSettings:

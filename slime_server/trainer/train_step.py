@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, Field
 from torch import nn
 
+from slime_server.trainer import routing_replay
 from slime_server.trainer.adapter_isolation import only_adapters
 from slime_server.trainer.grammar_masks import allowed_columns
 from slime_server.trainer.losses import policy_loss
@@ -291,8 +292,13 @@ def train_step(
     Metrics add ``grad_norm`` (before clipping), ``lr`` (used by this step) and ``step_skipped``.
     """
     zero_grads(bundle)
+    routing_replay.take_totals()  # what the log-prob passes replayed is not this step's metric
     metrics = forward_backward(bundle, samples, settings, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
     with only_adapters(bundle, {s.adapter for s in samples}):  # a multi-adapter trainer: the others stay put
         result = optimizer_step(bundle)
     metrics.update(grad_norm=result.grad_norm, lr=result.lr, step_skipped=float(not result.updated))
+    replayed = routing_replay.take_totals()
+    if replayed.total:  # routing replay: how often the router's own top-k was the engine's, and who had no routes
+        metrics.update(moe_replay_topk_agreement=replayed.rate,
+                       moe_samples_without_routes=float(sum(s.routed_experts is None for s in samples)))
     return metrics

@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
+from slime_server.buffer.routed_experts import RoutedExperts
+
 
 class TrainSample(BaseModel):
     """One trajectory (prompt + all turns) as the trainer consumes it."""
@@ -29,6 +31,8 @@ class TrainSample(BaseModel):
                                                 "grammar_masks.py): their log-probs are computed under its mask")
     grammar_bitmask: bytes | None = Field(None, description="xgrammar bitmasks, one row of int32 words per "
                                           "grammar position (bit v % 32 of word v // 32: token v allowed)")
+    routed_experts: RoutedExperts | None = Field(None, description="the engine's routes of the first positions "
+                                                 "(MoE routing replay; the rest route naturally)")
     adapter: int = Field(0, ge=0, description="which adapter of a multi-adapter LoRA trainer this sample goes "
                          "through and trains (one per user); 0 in a one-adapter or full trainer")
 
