@@ -178,3 +178,46 @@ def test_the_routed_experts_flag_and_fields_are_sglangs() -> None:
     theirs, defaults = io_struct_classes()["GenerateReqInput"], io_struct_defaults()["GenerateReqInput"]
     for name in ("return_routed_experts", "routed_experts_start_len"):
         assert name in theirs and GenerateReqInput.model_fields[name].default == defaults[name]
+
+
+def test_an_moe_engine_serves_attention_adapters_as_peft_computes_them(moe_path: Path, tmp_path: Path) -> None:
+    """LoRA on the MoE engine: an adapter on the attention projections is served as HF PEFT computes it over the
+    HF MoE model; one on the MLP (the experts) is refused by name (the trainer trains none there either)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def save(out: Path, targets: list[str]) -> Path:
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(moe_path), LoraConfig(
+            r=4, lora_alpha=8, target_modules=targets))
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        model.save_pretrained(str(out))
+        return out
+
+    attention = save(tmp_path / "attention", ["q_proj", "v_proj", "o_proj"])
+    engine = CPUEngine(EngineConfig(model_path=str(moe_path), enable_lora=True, lora_paths=[f"att={attention}"]))
+    try:
+        prompt = list(range(30, 46))
+        (out,) = engine.generate(prompt, GREEDY, return_logprob=True, lora=engine.adapters.resolve("att"))
+        (base,) = engine.generate(prompt, GREEDY, return_logprob=True)
+        assert out.output_ids != base.output_ids
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe_path), str(attention)).eval()
+        ids = torch.tensor([prompt + out.output_ids])
+        with torch.no_grad():
+            lp = peft(ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+        want = lp.gather(-1, torch.tensor(out.output_ids)[:, None])[:, 0]
+        got = torch.tensor([e[0] for e in out.meta_info.output_token_logprobs])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        from slime_server.lora_format import AdapterError
+
+        mlp = tmp_path / "mlp"  # PEFT cannot put an adapter on transformers' fused experts: its config says so
+        shutil.copytree(attention, mlp)
+        config = json.loads((mlp / "adapter_config.json").read_text())
+        (mlp / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj", "up_proj"]}))
+        with pytest.raises(AdapterError, match="up_proj"):
+            engine.adapters.load("mlp", str(mlp))
+    finally:
+        engine.shutdown()

@@ -27,12 +27,15 @@ DEFAULT_MAX_RANK = 64
 FROM_TENSORS = "__tensor__"  # SGLang's registry path of an adapter loaded from tensors (never reloaded on demand)
 # SGLang's fused names for --lora-target-modules, and "all"
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def dims_of(lean: Any) -> ModelDims:
     """The shapes of a ``LeanForward``'s model that an adapter must fit."""
+    first = lean.layers[0]
+    down = first.down if first.down is not None else first.experts[0][1]  # an MoE layer: an expert's
     return ModelDims(layers=len(lean.layers), hidden=int(lean.embed.shape[1]), q_size=lean.q_size,
-                     kv_size=lean.kv_size, intermediate=int(lean.layers[0].down.shape[1]))
+                     kv_size=lean.kv_size, intermediate=int(down.shape[1]))
 
 
 def target_modules(names: list[str] | None) -> tuple[str, ...]:
@@ -77,8 +80,13 @@ class EngineAdapters:
         max_rank = config.max_lora_rank
         if max_rank is None:
             max_rank = max((read_config(path).rank for _, path, _ in starting), default=DEFAULT_MAX_RANK)
-        self.bank = AdapterBank(dims_of(lean), lean.embed.dtype, max_rank, self.max_loaded,
-                                target_modules(config.lora_target_modules))
+        targets = target_modules(config.lora_target_modules)
+        if lean.num_experts:  # an MoE model's experts take no adapter (as its trainer trains none): attention only
+            targets = tuple(t for t in targets if t not in MLP_PROJECTIONS)
+            if not targets:
+                raise ValueError("--lora-target-modules names only MLP projections; an MoE model's experts take no "
+                                 "LoRA adapter (q_proj, k_proj, v_proj, o_proj do)")
+        self.bank = AdapterBank(dims_of(lean), lean.embed.dtype, max_rank, self.max_loaded, targets)
         if lean.gemv_target is None:  # --decode-kernel torch (or no compiler): torch's ops throughout
             self.bank.kernel = None
         lean.lora = self.bank
