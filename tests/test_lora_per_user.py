@@ -130,7 +130,7 @@ def test_two_users_opposite_tastes_each_learn_their_own_adapter(server: Any) -> 
     assert p - margin > 0 and p + margin < 1, p  # room to move both ways
 
     body = {"name": "per-user", "algorithm": "reinforce_plus_plus", "data": {"source": "live"},
-            "optimizer": {"lr": 1.5e-3}, "loss": {"kl_coef": 0.1}, "lora": {"rank": 8, "alpha": 16, "per": "user", "adapters": 2},
+            "optimizer": {"lr": 1.5e-3, "clip_grad": 0.1}, "loss": {"kl_coef": 0.1}, "lora": {"rank": 8, "alpha": 16, "per": "user", "adapters": 2},
             "loop": {"batch_size": 2 * PER_ROUND, "n_samples_per_prompt": 1, "max_staleness": 2,
                      "poll_interval_s": 0.05, "checkpoint_interval": 4}}
     with admin(server) as c:
