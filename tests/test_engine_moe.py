@@ -183,21 +183,13 @@ def test_the_routed_experts_flag_and_fields_are_sglangs() -> None:
 def test_an_moe_engine_serves_attention_adapters_as_peft_computes_them(moe_path: Path, tmp_path: Path) -> None:
     """LoRA on the MoE engine: an adapter on the attention projections is served as HF PEFT computes it over the
     HF MoE model; one on the MLP (the experts) is refused by name (the trainer trains none there either)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    def save(out: Path, targets: list[str]) -> Path:
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(moe_path), LoraConfig(
-            r=4, lora_alpha=8, target_modules=targets))
-        gen = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-        model.save_pretrained(str(out))
-        return out
+    from tests.test_engine_lora import _save_adapter
 
-    attention = save(tmp_path / "attention", ["q_proj", "v_proj", "o_proj"])
+    attention = _save_adapter(moe_path, tmp_path / "attention", 3, r=4, lora_alpha=8,
+                              target_modules=["q_proj", "v_proj", "o_proj"])
     engine = CPUEngine(EngineConfig(model_path=str(moe_path), enable_lora=True, lora_paths=[f"att={attention}"]))
     try:
         prompt = list(range(30, 46))

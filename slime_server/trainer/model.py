@@ -348,8 +348,9 @@ def forward_micro_batch(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     tokens, position_ids, mask = mb.model_inputs()
     rows = None if mb.adapter_rows is None else mb.adapter_rows.to(device)
     replay: Any = contextlib.nullcontext()
-    if mb.route_rows is not None and unwrap(model).arch.is_moe:  # each row through its recorded experts (R3)
-        replay = routing_replay.replaying(model, routing_replay.stage_routes(model, mb.route_rows))
+    inner = unwrap(model)
+    if mb.route_rows is not None and inner.arch.is_moe:  # each row through its recorded experts (R3)
+        replay = routing_replay.replaying(model, routing_replay.stage_routes(inner, mb.route_rows))
     with rows_through(rows), replay:  # a multi-adapter LoRA trainer: each row through its sample's adapter
         return forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
                               None if mask is None else mask.to(device), gather=False)

@@ -106,11 +106,9 @@ def take_totals() -> Agreement:
     return out
 
 
-def stage_routes(model: nn.Module, routes: torch.Tensor) -> torch.Tensor:
-    """The columns of recorded routes [tokens, all layers, k] for this pipeline stage's layers."""
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
+def stage_routes(inner: nn.Module, routes: torch.Tensor) -> torch.Tensor:
+    """The columns of recorded routes [tokens, all layers, k] for this pipeline stage's layers (``inner``: the
+    unwrapped GPTModel)."""
     layers = inner.decoder.layers
     if routes.shape[1] != inner.arch.num_layers:
         raise ValueError(f"recorded routes cover {routes.shape[1]} layers; the model has {inner.arch.num_layers}")
