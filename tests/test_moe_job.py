@@ -1,10 +1,13 @@
 """A live job on the tiny MoE with routing replay (issue 44): ``serve --enable-return-routed-experts`` (engines
 answer routes, the gateway records them), agents' episodes through the OpenAI SDK, a REINFORCE++ job with
 ``moe.routing_replay: rollout`` trains 3 steps replaying every recorded route and pushes its weights into the
-engines. Submitting it to a server that records no routes is refused naming the flag."""
+engines. Submitting it to a server that records no routes is refused naming the flag. A job with
+``routing_replay: trainer`` (R2) needs no recorded routes: two mini-batches a batch, the second replaying the
+routing the policy had before the first."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,3 +56,47 @@ def test_a_job_replaying_recorded_routes_trains_and_pushes(server: Any) -> None:
     # the first step trains the weights the engines sampled with: the trainer's router chose as theirs did
     assert metrics[0]["moe_replay_topk_agreement"] > 0.999
     assert all(0 < m["moe_replay_topk_agreement"] <= 1 for m in metrics)
+
+
+def test_a_job_replaying_the_old_policys_routes_needs_no_recorded_ones(server: Any) -> None:
+    manager = server.gateway.server.config.app.state.gw.jobs
+    job = {**JOB, "name": "moe-r2", "moe": {"routing_replay": "trainer"},
+           "loop": {**JOB["loop"], "max_steps": 2, "num_steps_per_rollout": 2}}
+    with admin(server) as c:
+        manager.routes_recorded = False  # R2 records in the trainer: the engines' routes are not asked for
+        try:
+            created = c.post("/jobs", json=job)
+        finally:
+            manager.routes_recorded = True
+        assert created.status_code == 200, created.text
+    job_id = created.json()["id"]
+    drive(server, 8)
+    done = wait_job(server, job_id, lambda j: j["status"] == "completed", timeout=300)
+    assert done["step"] == 2
+    with admin(server) as c:
+        metrics = [row["metrics"] for row in c.get(f"/jobs/{job_id}/metrics").raise_for_status().json()]
+    print("\nR2 agreement by step:", [round(m["moe_replay_topk_agreement"], 4) for m in metrics])
+    assert [m["optimizer_steps"] for m in metrics] == [2.0, 2.0]
+    assert all(m["moe_samples_without_routes"] == 0 for m in metrics)  # every sample replayed the trainer's routes
+    assert all(0 < m["moe_replay_topk_agreement"] <= 1 for m in metrics)
+
+
+@pytest.mark.parametrize("mode", ["rollout", "trainer"])
+def test_routing_replay_on_a_dense_model_is_refused_at_submit(mode: str, tiny_model_path: Path,
+                                                              tmp_path: Path) -> None:
+    from slime_server.buffer.job_store import SQLiteJobStore
+    from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+    from slime_server.jobs.errors import JobError
+    from slime_server.jobs.manager import JobManager
+    from slime_server.jobs.spec import JobSpec
+
+    db = tmp_path / "db.sqlite"
+    manager = JobManager(SQLiteTrajectoryStore(db), SQLiteJobStore(db), lambda spec: None, list, tmp_path / "jobs",
+                         model_path=str(tiny_model_path), routes_recorded=True)
+    try:
+        with pytest.raises(JobError) as refused:
+            manager.create(JobSpec.model_validate({**JOB, "moe": {"routing_replay": mode}}))
+        assert refused.value.status_code == 400 and "no experts" in str(refused.value), refused.value
+        assert manager.jobs.list_jobs() == []  # nothing was queued
+    finally:
+        manager.shutdown()

@@ -1,6 +1,7 @@
 """Mixture-of-experts in the trainer (CPU): Qwen3-MoE <-> Megatron-core conversion, logits parity with HF, and
 routing replay (R3): a replayed forward is the recorded one bit for bit, replayed routes are really forced, and
-the router still learns under replay."""
+the router still learns under replay; R2: the old policy's routes recorded with its log-probs, replayed after an
+update."""
 
 from __future__ import annotations
 
@@ -149,6 +150,71 @@ def test_replayed_routes_are_forced_and_the_router_still_learns(moe_case):
         grad = layer.mlp.router.weight.grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
     megatron.zero_grad()
+
+
+def _samples(config, lengths: tuple[int, ...]) -> list:
+    from slime_server.trainer.types import TrainSample
+
+    out = []
+    for i, n in enumerate(lengths):
+        tokens = ids_of(config, n, seed=10 + i)[0].tolist()
+        out.append(TrainSample(tokens=tokens, loss_mask=[0] * 3 + [1] * (n - 3), rollout_logprobs=[0.0] * n,
+                               weight_versions=[-1] * 3 + [0] * (n - 3)))
+    return out
+
+
+def test_r2_records_the_old_policys_routes_and_the_updated_policy_replays_them(moe_case):
+    """``routing_replay: trainer`` (R2): the log-prob pass before a batch's updates also returns the experts each
+    sample's tokens went to (each sample as its own forward routes it, all but its last token); after an update
+    moved the routers (the first mini-batch's), a forward of those samples carrying them routes every recorded
+    position to the recorded experts although the routers now choose otherwise for some."""
+    from slime_server.trainer.train_step import compute_logprobs, compute_logprobs_and_routes
+
+    config, _path, _hf_model, megatron = moe_case
+    samples = _samples(config, (11, 7, 15))
+    lps, routes = compute_logprobs_and_routes(megatron, samples)
+    plain = compute_logprobs(megatron, samples, share_prefixes=False)
+    assert all(torch.equal(a, b) for a, b in zip(lps, plain, strict=True))
+    for sample, r in zip(samples, routes, strict=True):
+        with torch.no_grad(), routing_replay.recording(megatron) as found:
+            forward_logits(megatron, torch.tensor([sample.tokens]))
+        alone = torch.stack(found, dim=1)
+        assert (r.layers, r.topk, r.positions) == (config.num_hidden_layers, TOPK, len(sample.tokens) - 1)
+        assert torch.equal(torch.from_numpy(r.array()).sort(-1).values, alone[:-1].sort(-1).values)
+
+    gates = [layer.mlp.router.weight for layer in megatron.decoder.layers]
+    kept = [g.detach().clone() for g in gates]
+    try:
+        with torch.no_grad():  # as an update would move them: 0.3 of each router's spread
+            for g in gates:
+                g.add_(0.3 * g.std() * torch.randn(g.shape, generator=torch.Generator().manual_seed(3)))
+        carrying = [x.model_copy(update={"routed_experts": r}) for x, r in zip(samples, routes, strict=True)]
+        routing_replay.take_totals()
+        compute_logprobs(megatron, carrying)  # one micro-batch: the routers keep what it used
+        agreement = routing_replay.take_totals()
+        used = torch.stack([router.router_replay.recorded for router in routing_replay.routers(megatron)], dim=1)
+        offset = 0
+        for sample, r in zip(samples, routes, strict=True):
+            n = len(sample.tokens)
+            assert torch.equal(used[offset:offset + n - 1], torch.from_numpy(r.array()))
+            offset += n
+        assert 0 < agreement.rate < 1, agreement  # the moved routers would have chosen otherwise somewhere
+    finally:
+        with torch.no_grad():
+            for g, k in zip(gates, kept, strict=True):
+                g.copy_(k)
+
+
+def test_r2_needs_an_moe_model():
+    from transformers import Qwen3Config
+
+    from slime_server.trainer.train_step import compute_logprobs_and_routes
+
+    config = Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    dense = build_gpt_model(config)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        compute_logprobs_and_routes(dense, _samples(config, (5,)))
 
 
 def test_replay_refuses_routes_of_the_wrong_shape(moe_case):

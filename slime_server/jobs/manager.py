@@ -17,6 +17,7 @@ same engines would fight. A second active job is refused (409).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import uuid
@@ -44,6 +45,18 @@ from slime_server.trainer.loop import BatchSource, EngineControl, Trainer, Train
 from slime_server.trainer.selection import Rejection
 from slime_server.trainer.settings import LoopState
 from slime_server.trainer.sources import ConversationSource, ReplaySource
+
+
+def is_moe(model_path: str) -> bool:
+    """Whether the checkpoint's config names routed experts (Qwen3-MoE's ``num_experts``, which transformers 5 saves
+    as ``num_local_experts``; DeepSeek's ``n_routed_experts``); a directory without a config counts as one (the
+    trainer then decides)."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return True
+    fields = json.loads(config.read_text())
+    return any(int(fields.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +123,9 @@ class JobManager:
             raise JobError(400, f"base_model {spec.base_model!r} is not the served model {self.served_model!r}; "
                            "a live job trains the policy the engines serve", "invalid_value")
         check_serving(spec, self.lora_enabled, self.max_lora_rank)
+        if spec.moe.routing_replay != "off" and self.model_path is not None and not is_moe(self.model_path):
+            raise JobError(400, f"moe.routing_replay {spec.moe.routing_replay!r} replays a mixture-of-experts "
+                           "model's routing; the served model has no experts (set it to 'off')", "invalid_value")
         if spec.moe.routing_replay == "rollout" and not self.routes_recorded:
             raise JobError(400, "moe.routing_replay 'rollout' trains with the engines' routed experts, which this "
                            "server does not record: start it with --enable-return-routed-experts "

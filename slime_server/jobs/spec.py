@@ -123,7 +123,8 @@ class JobSpec(_Strict):
                                             "played or live episodes, train only the samples that pass")
     loop: LoopSettings = Field(default_factory=LoopSettings)
     moe: MoESettings = Field(default_factory=MoESettings, description="a mixture-of-experts model's routing: replay "
-                             "the engine's routes in the trainer (routing_replay: rollout) or not")
+                             "the engine's routes in the trainer (routing_replay: rollout, R3), the policy's own "
+                             "from before the batch's updates (trainer, R2), or neither (off)")
     loss: dict[str, Any] = Field(default_factory=dict, description="LossConfig overrides (loss_type: the objective, "
                                  "apart from the estimator `algorithm` picks, e.g. grpo advantages under 'cispo'; "
                                  "eps_clip, eps_clip_high, "

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import BaseModel, Field
 
+from slime_server.buffer.routed_experts import RoutedExperts
 from slime_server.lora_format import ADAPTER_DIR
 from slime_server.trainer.adapter_isolation import set_adapter as set_adapter_slot
 from slime_server.trainer.adapter_push import AdapterPusher
@@ -31,7 +32,12 @@ from slime_server.trainer.parallel import destroy_parallel, init_parallel, open_
 from slime_server.trainer.peft_io import adapter_config, peft_state_dict, read_peft_adapter, save_peft_adapter
 from slime_server.trainer.pipeline import gather_stages, pipeline_hf_tensors
 from slime_server.trainer.settings import CriticSettings, LoRASettings, OptimizerSettings
-from slime_server.trainer.train_step import TrainStepSettings, compute_logprobs, train_step
+from slime_server.trainer.train_step import (
+    TrainStepSettings,
+    compute_logprobs,
+    compute_logprobs_and_routes,
+    train_step,
+)
 from slime_server.trainer.types import TrainSample
 from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher, is_push_sender
 from slime_server.utils.affinity import pin_process
@@ -189,6 +195,14 @@ class TrainerRank:
             raise RuntimeError("this trainer has no reference model (TrainerRankSettings.reference)")
         lps = self._reference_logprobs(samples) if reference else self._logprobs(self._ready().model, samples)
         return [lp.tolist() for lp in lps]
+
+    def compute_logprobs_and_routes(self, samples: Sequence[TrainSample]) -> tuple[list[list[float]],
+                                                                                    list[RoutedExperts]]:
+        """``compute_logprobs`` under the current weights, with the experts each token was routed to (R2)."""
+        train = self.settings.train
+        lps, routes = compute_logprobs_and_routes(self._ready().model, samples, temperature=train.temperature,
+                                                  max_tokens_per_micro_batch=train.max_tokens_per_micro_batch)
+        return [lp.tolist() for lp in lps], routes
 
     def has_reference(self) -> bool:
         return self.reference is not None or (self.settings.reference and self.settings.lora is not None)
@@ -379,6 +393,10 @@ class TrainerGroup:
 
     def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]]:
         return self._all("compute_logprobs", list(samples), reference)[0]
+
+    def compute_logprobs_and_routes(self, samples: Sequence[TrainSample]) -> tuple[list[list[float]],
+                                                                                    list[RoutedExperts]]:
+        return self._all("compute_logprobs_and_routes", list(samples))[0]
 
     def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]:
         return self._all("compute_values", list(samples))[0]

@@ -48,6 +48,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, Field
 
+from slime_server.buffer.routed_experts import RoutedExperts
 from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore
 from slime_server.lora_format import ADAPTER_DIR
 from slime_server.trainer.adapter_publish import AdapterPublication, AdapterPublisher
@@ -76,6 +77,9 @@ class Trainer(Protocol):
     def train_step(self, samples: Sequence[TrainSample], **kwargs: Any) -> dict[str, float]: ...
 
     def compute_logprobs(self, samples: Sequence[TrainSample], reference: bool = False) -> list[list[float]]: ...
+
+    def compute_logprobs_and_routes(self, samples: Sequence[TrainSample]) -> tuple[list[list[float]],
+                                                                                    list[RoutedExperts]]: ...
 
     def compute_values(self, samples: Sequence[TrainSample]) -> list[list[float]]: ...
 
@@ -349,12 +353,18 @@ class TrainLoop:
         raw = batch.samples
         old_lp: list[list[float]] | None = None
         kl: list[list[float]] | None = None
+        routes = None  # R2: the routing of the policy before this batch's updates, replayed in its training forwards
         if not self.supervised and (s.num_steps_per_rollout > 1 or s.advantage.kl_coef > 0):
-            old_lp = self.trainer.compute_logprobs(raw)  # the policy before this batch's updates
+            if s.moe.routing_replay == "trainer":
+                old_lp, routes = self.trainer.compute_logprobs_and_routes(raw)
+            else:
+                old_lp = self.trainer.compute_logprobs(raw)  # the policy before this batch's updates
         if not self.supervised and s.advantage.kl_coef > 0:  # REINFORCE++ reward shaping: k1 KL to the reference
             ref_lp = self.trainer.compute_logprobs(raw, reference=True)
             kl = [[o - r for o, r in zip(o_s, r_s, strict=True)] for o_s, r_s in zip(old_lp, ref_lp, strict=True)]
         values = self.trainer.compute_values(raw) if s.advantage.estimator == "gae" else None  # PPO's critic
+        if routes is not None:  # after the reference's forward: it routes as its own routers choose
+            raw = [x.model_copy(update={"routed_experts": r}) for x, r in zip(raw, routes, strict=True)]
         if self.supervised:  # SFT: the loss is the masked tokens' NLL; no advantages
             samples = list(raw)
         else:

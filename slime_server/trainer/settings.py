@@ -162,9 +162,12 @@ class MoESettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    routing_replay: Literal["rollout", "off"] = Field(
+    routing_replay: Literal["rollout", "trainer", "off"] = Field(
         "off", description="rollout: every forward routes each token to the experts the engine chose for it (R3; "
-        "needs the server's --enable-return-routed-experts); off: the trainer's router chooses")
+        "needs the server's --enable-return-routed-experts); trainer: the training forwards route each token as the "
+        "policy did before the batch's updates, recorded when its log-probs are recomputed (R2; acts with "
+        "loop.num_steps_per_rollout > 1 or a KL term, else those forwards are that policy already); off: the "
+        "trainer's router chooses")
 
 
 class LoopSettings(BaseModel):

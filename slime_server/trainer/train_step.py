@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, Field
 from torch import nn
 
+from slime_server.buffer.routed_experts import RoutedExperts
 from slime_server.trainer import routing_replay
 from slime_server.trainer.adapter_isolation import only_adapters
 from slime_server.trainer.grammar_masks import allowed_columns
@@ -157,6 +158,41 @@ def compute_logprobs(
     finally:
         model.train(was_training)
     return [t if t is not None else torch.zeros(0) for t in out]
+
+
+@torch.no_grad()
+def compute_logprobs_and_routes(
+    model: nn.Module, samples: Sequence[TrainSample], *, temperature: float = 1.0,
+    max_tokens_per_micro_batch: int = 8192,
+) -> tuple[list[torch.Tensor], list[RoutedExperts]]:
+    """``compute_logprobs`` of an MoE policy, with the experts its routers chose for each sample's positions in that
+    forward (all but the last token, as the engine records them): R2, the old policy's routing, replayed in the
+    training forwards of the batch's mini-batches so that their updates do not move the routing the ratio compares.
+
+    Samples are packed without a token tree: each sample's own rows route its tokens. One pipeline stage only
+    (each stage would hold its own layers' routes)."""
+    if pipeline_size() > 1:
+        raise NotImplementedError("moe.routing_replay 'trainer' records routes on one pipeline stage; this trainer "
+                                  f"has {pipeline_size()}")
+    if not unwrap(model).arch.is_moe:
+        raise ValueError("moe.routing_replay 'trainer' needs a mixture-of-experts model; this one is dense")
+    was_training = model.training
+    model.eval()
+    logprobs: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
+    routes: list[RoutedExperts | None] = [None] * len(samples)
+    try:
+        for mb in pack_samples(list(samples), max_tokens_per_micro_batch, share_prefixes=False):
+            with routing_replay.recording(model) as found:
+                lp = packed_logprobs(model, mb, temperature=temperature)[0]
+            ids = torch.stack(found, dim=1).cpu()  # [T, layers, k] of the packed row
+            pieces = zip(mb.sample_indices, split_packed(lp.cpu(), mb.sample_lens), ids.split(mb.sample_lens),
+                         strict=True)
+            for idx, piece, chosen in pieces:
+                logprobs[idx], routes[idx] = piece, RoutedExperts.of(chosen[:-1].numpy())
+    finally:
+        model.train(was_training)
+    assert all(r is not None for r in routes)
+    return logprobs, [r for r in routes if r is not None]
 
 
 def _gather_rows(
