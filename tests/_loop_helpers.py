@@ -11,10 +11,11 @@ from slime_server.buffer.store import ResponseRef, TurnWrite
 
 
 def add(store: SQLiteTrajectoryStore, sid: str, *, group: str | None = None, version: int = 0,
-        reward: float | None = 1.0, owner: str | None = None) -> str:
+        reward: float | None = 1.0, owner: str | None = None, created_at: float | None = None) -> str:
     store.create_session(sid, group_id=group, owner=owner)
     n = 3
-    t = Trajectory(session_id=sid, group_id=group or sid, tokens=[5, 6, 7, 8, 9, 10], loss_mask=[0, 0, 0, 1, 1, 1],
+    at = {} if created_at is None else {"created_at": created_at}
+    t = Trajectory(**at, session_id=sid, group_id=group or sid, tokens=[5, 6, 7, 8, 9, 10], loss_mask=[0, 0, 0, 1, 1, 1],
                    rollout_logprobs=[0.0] * n + [-0.5] * n, weight_versions=[-1] * n + [version] * n,
                    turns=[Turn(response_id=f"r-{sid}", prompt_start=0, output_start=n, output_end=2 * n,
                                finish_reason="stop")], turn_rewards=[None])

@@ -78,7 +78,7 @@ def test_each_user_trains_and_publishes_only_their_own_adapter(stores, tmp_path:
     assert [s.adapter for s in batch] == [0, 1, 0, 1]  # slots in order of arrival
     assert lp.state.users[ALICE].slot == 0 and lp.state.users[BOB].slot == 1
     assert store.get_trajectory(admin).consumed_step == -1
-    assert ("dropped", {"no_user": 1, "version": 0}) in events
+    assert ("dropped", {"no_user": 1, "forgotten_user": 0, "version": 0}) in events
     a_alias, b_alias = user_alias(ALICE), user_alias(BOB)
     assert [(n, slot) for _, n, slot in trainer.adapter_pushes] == [(f"{a_alias}@job-u.v1", 0),
                                                                     (f"{b_alias}@job-u.v1", 1)]
@@ -185,7 +185,7 @@ def test_a_per_user_job_is_refused_off_live_data_or_merged() -> None:
 
 def test_a_deleted_users_adapter_is_forgotten_by_the_running_job(stores, tmp_path: Path) -> None:
     """Deleting a user's adapter while their per-user job runs (``TrainLoop.forget_user``, asked of the loop's
-    thread between steps): their slot starts fresh, their unconsumed samples are dropped, every checkpoint that
+    thread between steps): their slot starts fresh, their unconsumed samples are dropped (and those begun before, rewarded later), every checkpoint that
     holds their tensors gives way to a new one without them; the other user is untouched, and the forgotten user's
     next sample seats them afresh. A user the job never trained is not forgotten (nothing to do)."""
     store, adapters = stores
@@ -219,8 +219,15 @@ def test_a_deleted_users_adapter_is_forgotten_by_the_running_job(stores, tmp_pat
     assert ("user_forgotten", {"alias": user_alias(ALICE), "slot": alice_slot, "dropped_samples": 1,
                                "checkpoints_removed": 1}) in events
 
+    # a conversation of hers in flight when she was forgotten (begun by the deleted adapter), rewarded only now:
+    # never trained, neither into the new adapter she may get nor anywhere else
+    in_flight = add(store, "a-in-flight", owner=ALICE, created_at=lp.state.forgotten[user_alias(ALICE)] - 1.0)
+    assert lp.step_once() is None and store.get_trajectory(in_flight).consumed_step == -1
+    assert ("dropped", {"no_user": 0, "forgotten_user": 1, "version": lp.state.version}) in events
     add(store, "a2", owner=ALICE)
     add(store, "b3", owner=BOB)
     assert lp.step_once() is not None  # she comes back as a newcomer into the free (fresh) slot
+    assert [s.sample_id for s in trainer.batches[-1]] != [] and in_flight not in {
+        s.sample_id for batch in trainer.batches for s in batch}
     assert lp.state.users[ALICE].slot == alice_slot and lp.state.users[ALICE].versions == [lp.state.version]
     assert trainer.slots_set == [(alice_slot, None)]  # nothing loaded into it: it was reset when she went

@@ -204,7 +204,7 @@ class Trajectory(BaseModel):
 
     def head(self) -> TrajectoryHead:
         return TrajectoryHead(id=self.id, session_id=self.session_id, group_id=self.group_id, reward=self.reward,
-                              updated_at=self.updated_at,
+                              created_at=self.created_at, updated_at=self.updated_at,
                               min_version=oldest_generating_version(self.weight_versions, self.loss_mask))
 
 
@@ -225,6 +225,7 @@ class TrajectoryHead(BaseModel):
     session_id: str
     group_id: str | None = None
     reward: float | None = None
+    created_at: float  # its first turn's time: a per-user job drops a forgotten user's conversations begun before
     updated_at: float
     min_version: int | None = None  # the oldest policy that generated one of its tokens (None: none generated)
 

@@ -265,16 +265,18 @@ class TrainLoop:
         pool = self.store.list_heads(status="finished", rewarded=True, unconsumed=True,
                                      limit=max(4 * s.batch_size, 256))
         unowned: list[str] = []
-        if self.users is not None:  # per user: samples of no user are dropped, of users beyond the slots wait
-            trainable, no_user = self.users.split(pool)
-            pool, unowned = trainable, [t.id for t in no_user]
+        forgotten: list[str] = []
+        if self.users is not None:  # per user: samples of no user (or forgotten) are dropped, beyond the slots wait
+            trainable, no_user, gone = self.users.split(pool)
+            pool, unowned, forgotten = trainable, [t.id for t in no_user], [t.id for t in gone]
         sel = select(pool, batch_size=s.batch_size, group_size=s.n_samples_per_prompt, version=self.state.version,
                      max_staleness=s.max_staleness, stale_policy=s.stale_policy,
                      drop_zero_variance=s.drop_zero_variance_groups, group_timeout_s=s.group_timeout_s,
                      now=self.clock(), lag_of=self.users.lag if self.users is not None else None)
-        if unowned:
-            self.store.mark_consumed(unowned, DROPPED_STEP, self.job_id)
-            self.on_event("dropped", {"no_user": len(unowned), "version": self.state.version})
+        if unowned or forgotten:
+            self.store.mark_consumed(unowned + forgotten, DROPPED_STEP, self.job_id)
+            self.on_event("dropped", {"no_user": len(unowned), "forgotten_user": len(forgotten),
+                                      "version": self.state.version})
         if sel.drop_stale or sel.drop_flat or sel.drop_incomplete:
             mark = lambda ids: self.store.mark_consumed(ids, DROPPED_STEP, self.job_id) if ids else 0  # noqa: E731
             stale, flat, incomplete = mark(sel.drop_stale), mark(sel.drop_flat), mark(sel.drop_incomplete)
@@ -493,7 +495,7 @@ class TrainLoop:
         if user is None:
             return {"forgotten": False}
         with self._push_lock:
-            slot, parked = self.users.forget(user)
+            slot, parked = self.users.forget(user, time.time())
             if slot is not None:
                 self.trainer.set_adapter(slot, None)
             self._unpublished = None if self._unpublished is None else [u for u in self._unpublished if u != user]

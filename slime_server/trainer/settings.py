@@ -245,3 +245,5 @@ class LoopState(BaseModel):
     waiting: str | None = None  # why the last look at the buffer found no batch (None: training)
     users: dict[str, UserSlot] = Field(default_factory=dict)  # lora.per 'user': each user's adapter slot
     parked: dict[str, UserSlot] = Field(default_factory=dict)  # ... and users who gave theirs up, saved
+    # ... and the users it forgot (their adapter deleted), by alias: when; their conversations begun before never train
+    forgotten: dict[str, float] = Field(default_factory=dict)
