@@ -100,3 +100,23 @@ def test_routing_replay_on_a_dense_model_is_refused_at_submit(mode: str, tiny_mo
         assert manager.jobs.list_jobs() == []  # nothing was queued
     finally:
         manager.shutdown()
+
+
+def test_r2_on_a_pipelined_trainer_is_refused_at_submit(tmp_path: Path) -> None:
+    from slime_server.buffer.job_store import SQLiteJobStore
+    from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
+    from slime_server.jobs.errors import JobError
+    from slime_server.jobs.manager import JobManager
+    from slime_server.jobs.spec import JobSpec
+    from slime_server.models.tiny import ensure_tiny_model, tiny_moe_spec
+
+    db = tmp_path / "db.sqlite"
+    manager = JobManager(SQLiteTrajectoryStore(db), SQLiteJobStore(db), lambda spec: None, list, tmp_path / "jobs",
+                         model_path=str(ensure_tiny_model(spec=tiny_moe_spec())), pipeline_stages=2)
+    try:
+        with pytest.raises(JobError) as refused:
+            manager.create(JobSpec.model_validate({**JOB, "moe": {"routing_replay": "trainer"}}))
+        assert refused.value.status_code == 400 and "trainer.pp_size" in str(refused.value), refused.value
+        assert manager.jobs.list_jobs() == []
+    finally:
+        manager.shutdown()

@@ -82,8 +82,10 @@ class JobManager:
                  api_key: str | None = None, default_evals: list[tuple[str, str]] | None = None,
                  default_eval_env: str | None = None, engine_api_key: str | None = None,
                  model_path: str | None = None, lora_enabled: bool = False, max_lora_rank: int | None = None,
-                 adapters: AdapterStore | None = None, routes_recorded: bool = False) -> None:
+                 adapters: AdapterStore | None = None, routes_recorded: bool = False, pipeline_stages: int = 1,
+                 ) -> None:
         self.store = store
+        self.pipeline_stages = pipeline_stages  # the trainer's PP size (R2 records routes on one stage only)
         self.routes_recorded = routes_recorded  # the gateway records MoE routes (what routing replay trains with)
         self.lora_enabled, self.max_lora_rank = lora_enabled, max_lora_rank  # what the engines can serve
         self.adapters = adapters  # published adapters' aliases (LoRA jobs publishing adapters)
@@ -126,6 +128,9 @@ class JobManager:
         if spec.moe.routing_replay != "off" and self.model_path is not None and not is_moe(self.model_path):
             raise JobError(400, f"moe.routing_replay {spec.moe.routing_replay!r} replays a mixture-of-experts "
                            "model's routing; the served model has no experts (set it to 'off')", "invalid_value")
+        if spec.moe.routing_replay == "trainer" and self.pipeline_stages > 1:
+            raise JobError(400, "moe.routing_replay 'trainer' records the routing on one pipeline stage; this "
+                           f"server's trainer has {self.pipeline_stages} (trainer.pp_size)", "invalid_value")
         if spec.moe.routing_replay == "rollout" and not self.routes_recorded:
             raise JobError(400, "moe.routing_replay 'rollout' trains with the engines' routed experts, which this "
                            "server does not record: start it with --enable-return-routed-experts "

@@ -94,7 +94,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
                       default_evals=default_evals or [], default_eval_env=eval_env, engine_api_key=engine_api_key,
                       model_path=model_path, lora_enabled=settings.engine.enable_lora,
                       max_lora_rank=settings.engine.max_lora_rank, adapters=gw.adapters.aliases,
-                      routes_recorded=gw.settings.record_routed_experts)
+                      routes_recorded=gw.settings.record_routed_experts, pipeline_stages=tr.pp_size)
     gw.jobs = jobs
     restored = jobs.restore()
     if restored:
