@@ -205,6 +205,37 @@ def test_r2_records_the_old_policys_routes_and_the_updated_policy_replays_them(m
                 g.copy_(k)
 
 
+def test_the_token_tree_shares_a_prefix_only_where_its_routes_agree(moe_case):
+    """Samples carrying routes share a common prefix's rows in the forward only where every position of it was
+    routed alike: with their own (equal) routes the tree shares the prefix; after one sample's routes for a prefix
+    position change, the tree splits there; either way each sample's replayed log-probs equal its packed row's."""
+    import numpy as np
+
+    from slime_server.buffer.routed_experts import RoutedExperts
+    from slime_server.trainer.packing import pack_samples
+    from slime_server.trainer.train_step import compute_logprobs, compute_logprobs_and_routes
+    from slime_server.trainer.types import TrainSample
+
+    config, _path, _hf_model, megatron = moe_case
+    prefix = ids_of(config, 8, seed=20)[0].tolist()
+    samples = [TrainSample(tokens=prefix + ids_of(config, 5, seed=21 + i)[0].tolist(), loss_mask=[0] * 8 + [1] * 5,
+                           rollout_logprobs=[0.0] * 13, weight_versions=[-1] * 8 + [0] * 5) for i in range(3)]
+    _, routes = compute_logprobs_and_routes(megatron, samples)
+    assert all(np.array_equal(r.array()[:8], routes[0].array()[:8]) for r in routes)  # the same prefix, routed alike
+    other = routes[1].array().copy()
+    other[4] = (other[4] + 1) % EXPERTS  # position 4 of the prefix through other experts
+    for carried in (routes, [routes[0], RoutedExperts.of(other), routes[2]]):
+        batch = [x.model_copy(update={"routed_experts": r}) for x, r in zip(samples, carried, strict=True)]
+        (mb,) = pack_samples(batch, 1024, share_prefixes=True)
+        assert mb.tree is not None and mb.route_rows is not None and mb.route_rows.shape[0] == mb.tree.num_rows
+        # shared rows: the whole prefix twice over, or only its first 4 positions for the sample routed otherwise
+        assert mb.tree.num_rows == (39 - 16 if carried is routes else 39 - 8 - 4)
+        shared = compute_logprobs(megatron, batch, share_prefixes=True)
+        alone = compute_logprobs(megatron, batch, share_prefixes=False)
+        for a, b in zip(shared, alone, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 def test_r2_needs_an_moe_model():
     from transformers import Qwen3Config
 

@@ -23,8 +23,6 @@ from slime_server.trainer.prefix_tree import PrefixTree, build_tree, partition_s
 from slime_server.trainer.settings import Aggregation
 from slime_server.trainer.types import TrainSample
 
-_KEY_BITS = 32  # a token id fits: (adapter << 32) | token keys the prefix trie by adapter
-
 
 @dataclass
 class MicroBatch:
@@ -46,8 +44,8 @@ class MicroBatch:
     grammar_bitmask: bytes | None = None  # K rows of int32 words
     # a multi-adapter LoRA trainer: the adapter of each forward row (long [R]; None: every row adapter 0)
     adapter_rows: torch.Tensor | None = None
-    # MoE routing replay: each row's recorded top-k experts per layer (long [T, layers, k]; -1: none recorded, the
-    # router chooses), None: no sample carries routes
+    # MoE routing replay: each forward row's recorded top-k experts per layer (long [R, layers, k]; -1: none
+    # recorded, the router chooses), None: no sample carries routes
     route_rows: torch.Tensor | None = None
 
     @property
@@ -197,25 +195,47 @@ def pack_samples(
     if any(not 0 <= i < len(samples) for i in chosen) or len(set(chosen)) != len(chosen):
         raise ValueError("subset must hold distinct indices into samples")
     weights = global_token_weights(samples)
-    # with recorded routes, no token tree: samples sharing a prefix may carry different routes for it (a prefix the
-    # engine computed again after a weight update); each is replayed on its own rows
-    routed = any(samples[i].routed_experts is not None for i in chosen)
-    if share_prefixes and not routed and len({samples[i].tokens[0] for i in chosen}) < len(chosen):
-        # a prefix is shared only under one adapter (its hidden states differ under another): the trie is built
-        # over (adapter, token) keys, and each row's adapter read back from its key
-        keyed = {i: [samples[i].adapter << _KEY_BITS | t for t in samples[i].tokens] for i in chosen}
+    if share_prefixes and len({samples[i].tokens[0] for i in chosen}) < len(chosen):
+        # a prefix is shared only where every position of it is the same token, under the same adapter (its hidden
+        # states differ under another) and routed to the same experts (MoE routing replay: a prefix the engine
+        # computed again after a weight update may carry other routes); the trie is built over one key per
+        # distinct (routes, adapter, token) and each row's token and adapter read back from its key
+        keyed, table = _trie_keys(samples, chosen)
         groups = partition_sharing([keyed[i] for i in chosen], max_tokens_per_micro_batch)
         mbs = [_pack(samples, [chosen[j] for j in g], weights) for g in groups]
         for mb in mbs:
             tree = build_tree([keyed[i] for i in mb.sample_indices])
             if tree.num_rows < mb.num_tokens:
                 keys = tree.tokens
-                tree.tokens = keys & ((1 << _KEY_BITS) - 1)
+                tree.tokens = table[keys, 1]
                 mb.tree = tree
-                mb.adapter_rows = keys >> _KEY_BITS if mb.adapter_rows is not None else None
+                mb.adapter_rows = table[keys, 0] if mb.adapter_rows is not None else None
+                if mb.route_rows is not None:  # the forward's rows: every token of a row carries the row's routes
+                    rows = mb.route_rows.new_full((tree.num_rows, *mb.route_rows.shape[1:]), -1)
+                    rows[tree.index] = mb.route_rows
+                    mb.route_rows = rows
         return mbs
     groups = partition_by_tokens([len(samples[i].tokens) for i in chosen], max_tokens_per_micro_batch)
     return [_pack(samples, [chosen[j] for j in g], weights) for g in groups]
+
+
+def _trie_keys(samples: Sequence[TrainSample], chosen: Sequence[int]) -> tuple[dict[int, list[int]], torch.Tensor]:
+    """Each chosen sample's positions as trie keys, one per distinct (routes, adapter, token) (routes: the
+    position's recorded expert ids, or none), and the table [keys, 2] of each key's (adapter, token)."""
+    ids: dict[tuple[int, int, int], int] = {}
+    routes: dict[bytes, int] = {}
+    keyed: dict[int, list[int]] = {}
+    for i in chosen:
+        s = samples[i]
+        held = s.routed_experts.array() if s.routed_experts is not None else None
+        n_held = 0 if held is None else min(len(held), len(s.tokens))
+        seq = []
+        for t, token in enumerate(s.tokens):
+            route = routes.setdefault(held[t].tobytes(), len(routes) + 1) if held is not None and t < n_held else 0
+            seq.append(ids.setdefault((route, s.adapter, token), len(ids)))
+        keyed[i] = seq
+    table = torch.tensor([(adapter, token) for _, adapter, token in ids], dtype=torch.long).reshape(-1, 2)
+    return keyed, table
 
 
 def split_packed(flat: torch.Tensor, sample_lens: Sequence[int]) -> list[torch.Tensor]:
