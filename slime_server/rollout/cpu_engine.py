@@ -38,9 +38,8 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -49,14 +48,16 @@ from slime_server.rollout.core_follow import ThreadsFollowCores
 from slime_server.rollout.engine_adapters import EngineAdapters
 from slime_server.rollout.engine_config import EngineConfig
 from slime_server.rollout.engine_model import load_engine_model
-from slime_server.rollout.engine_output import output_of
+from slime_server.rollout.engine_output import input_logprobs, output_of
 from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM, Sequence
+from slime_server.rollout.engine_tasks import SchedulerTask, WeightCommit
+from slime_server.rollout.engine_vision import EngineVision, ImageError, PromptImages, positions_of
 from slime_server.rollout.grammar import EngineGrammars, GrammarError
 from slime_server.rollout.hf_forward import hf_decode, hf_prefill
 from slime_server.rollout.lean_forward import LeanForward
 from slime_server.rollout.prefix_cache import NO_REUSE, PrefixCache
-from slime_server.rollout.protocol import FinishReason, GenerateOutput, LogprobEntry, SamplingParams
-from slime_server.rollout.sampling import logprobs_of, sample_token, top_logprobs
+from slime_server.rollout.protocol import FinishReason, GenerateOutput, SamplingParams
+from slime_server.rollout.sampling import sample_token
 from slime_server.utils.procs import name_os_thread
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,8 @@ class CPUEngine:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._paused = False
-        self._commit: _Commit | None = None
-        self._tasks: deque[_Task] = deque()  # work handed to the scheduler thread (run_on_scheduler)
+        self._commit: WeightCommit | None = None
+        self._tasks: deque[SchedulerTask] = deque()  # work handed to the scheduler thread (run_on_scheduler)
         self.adapters: EngineAdapters | None = None  # LoRA adapters (--enable-lora)
         self._update_lock = threading.Lock()  # one weight update at a time, in arrival order
         self._pause_req: tuple[str, threading.Event] | None = None
@@ -135,6 +136,8 @@ class CPUEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(self.tokenizer.eos_token_id))
         self._params: dict[str, torch.Tensor] = loaded.params
+        self.vision = (EngineVision(config.model_path, loaded.vl_config, self._params, getattr(torch, config.dtype))
+                       if loaded.vl_config is not None else None)  # images (engine_vision.py)
         self.lean = (LeanForward(mc, self._params, loaded.rope, decode_kernel=config.decode_kernel)
                      if loaded.rope is not None else None)
         self.weight_bytes = loaded.weight_bytes
@@ -159,7 +162,7 @@ class CPUEngine:
         """Run ``fn`` on the scheduler thread between two steps (it owns the model); its result or its error."""
         if threading.current_thread() is self._thread:
             return fn()
-        task = _Task(fn)
+        task = SchedulerTask(fn)
         with self._cv:
             self._tasks.append(task)
             self._cv.notify_all()
@@ -196,6 +199,16 @@ class CPUEngine:
             raise BadRequest(f"top_logprobs_num must be in [0, {min(100, self.vocab_size)}]")
         if logprob_start_len >= len(prompt_ids):
             raise BadRequest(f"logprob_start_len {logprob_start_len} must be < prompt length {len(prompt_ids)}")
+
+    def prepare_images(self, prompt_ids: list[int], image_data: list[str]) -> tuple[list[int], PromptImages]:
+        """A prompt's ids with each image's pad expanded, and its images (engine_vision.py); BadRequest when the
+        model takes no images or an image or its placeholder is refused."""
+        if self.vision is None:
+            raise BadRequest(f"{Path(self.config.model_path).name} is a text-only model: it takes no image_data")
+        try:
+            return self.vision.prepare(prompt_ids, image_data)
+        except ImageError as e:
+            raise BadRequest(str(e)) from None
 
     def resolve(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Fill what the request left to the engine: ``max_new_tokens: null`` means the rest of the context."""
@@ -354,7 +367,7 @@ class CPUEngine:
         anything when a tensor does not fit the model, FlushRefused (after loading, version unchanged)
         when ``flush`` is asked while requests run or wait unpaused."""
         self.check_loadable(named)
-        commit = _Commit(named=named, version=None if version is None else str(version), flush=flush)
+        commit = WeightCommit(named=named, version=None if version is None else str(version), flush=flush)
         with self._update_lock:
             with self._cv:
                 self._commit = commit
@@ -383,6 +396,8 @@ class CPUEngine:
         try:
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()  # K/V of the old weights
+            if self.vision is not None:
+                self.vision.clear()  # and the vision tower's outputs
             with torch.no_grad():
                 for name, t in commit.named:
                     self._params[name].copy_(t)
@@ -470,12 +485,15 @@ class CPUEngine:
         cap = max(n_prompt, min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM))  # grows by doubling
         if self.lean is not None:
             seq.kv = self.lean.new_kv(cap)
-            reused, start, routes = (self.prefix_cache.match(ids, _namespace(seq)) if self.prefix_cache and
-                                     not want_input else NO_REUSE)
+            reused, start, routes = (self.prefix_cache.match(seq.cache_key()[:n_prompt], _namespace(seq))
+                                     if self.prefix_cache and not want_input else NO_REUSE)
             for (kb, vb), (ck, cv) in zip(seq.kv, reused or [], strict=False):
                 kb[:, :start], vb[:, :start] = ck[:, :start], cv[:, :start]
             seq.cached_tokens = start
-            logits = self.lean.prefill(ids, seq.kv, all_logits=want_input, start=start, lora_slot=seq.lora_slot).float()
+            mm = seq.images
+            logits = self.lean.prefill(ids, seq.kv, all_logits=want_input, start=start, lora_slot=seq.lora_slot,
+                                       images=self.vision.embeddings(mm, start, len(seq.prompt_ids)) if mm else None,
+                                       positions=positions_of(mm, n_prompt) if mm else None).float()
             engine_routes.after_prefill(seq, routes, start, self.lean.last_routes)
         else:
             seq.kv, logits = hf_prefill(self.model, ids, cap, want_input)
@@ -486,27 +504,13 @@ class CPUEngine:
         if resumed:
             return
         if want_input:
-            self._input_logprobs(seq, logits)
+            input_logprobs(seq, logits)
         if seq.params.max_new_tokens == 0:
             self._finish(seq, FinishReason(type="length", length=0))
             return
         last = logits[-1:]
         self.grammars.mask(last, [seq.grammar])
         self._sample_and_append(seq, last[0])
-
-    def _input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
-        start = seq.logprob_start_len
-        lp = logprobs_of(logits[:-1], seq.params)
-        targets = torch.tensor(seq.prompt_ids[1:])
-        chosen = lp.gather(-1, targets[:, None])[:, 0].tolist()
-        entries: list[LogprobEntry] = [] if start > 0 else [(None, seq.prompt_ids[0], None)]
-        tops: list[list[LogprobEntry] | None] = [] if start > 0 else [None]
-        for pos in range(max(start, 1), len(seq.prompt_ids)):
-            entries.append((chosen[pos - 1], seq.prompt_ids[pos], None))
-            if seq.top_logprobs_num:
-                tops.append(top_logprobs(lp[pos - 1], seq.top_logprobs_num))
-        seq.input_logprobs = entries
-        seq.input_top = tops if seq.top_logprobs_num else None
 
     def _decode(self, batch: list[Sequence]) -> None:
         logits = (self.lean.decode(batch) if self.lean is not None else hf_decode(self.model, batch)).float()
@@ -553,7 +557,7 @@ class CPUEngine:
         seq.finish = reason
         seq.finished_at = time.perf_counter()
         if self.prefix_cache is not None and reason.type != "abort" and seq.kv:  # scheduler thread only
-            self.prefix_cache.put((seq.prompt_ids + seq.output_ids)[:seq.kv_len], seq.kv, _namespace(seq),
+            self.prefix_cache.put(seq.cache_key()[:seq.kv_len], seq.kv, _namespace(seq),
                                   engine_routes.held(seq))
         seq.kv = []
         self.stats["finished"] += 1
@@ -570,31 +574,3 @@ class CPUEngine:
 def _namespace(seq: Sequence) -> int:
     """What a sequence's K/V depends on beside its tokens: its adapter's load (0: the base)."""
     return seq.lora.uid if seq.lora is not None else 0
-
-
-@dataclass(eq=False)
-class _Task:
-    """A function handed to the scheduler thread (``run_on_scheduler``)."""
-
-    fn: Callable[[], Any]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn()
-        except BaseException as e:  # handed back to the caller
-            self.error = e
-        self.done.set()
-
-
-@dataclass(eq=False)
-class _Commit:
-    """One weight update handed to the scheduler thread."""
-
-    named: list[tuple[str, torch.Tensor]]
-    version: str | None
-    flush: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None

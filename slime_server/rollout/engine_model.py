@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"}
+LEAN_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl_text"}  # the last: Qwen2.5-VL's LM
 # RoPE types whose frequencies do not depend on the sequence length (HF's ``dynamic_rope_update`` recomputes
 # "dynamic" and "longrope" per call: those models keep HF's forward)
 STATIC_ROPE_TYPES = {"default", "linear", "yarn", "llama3", "proportional"}
@@ -54,10 +54,17 @@ class Rope:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[kind](cfg)
+        params = getattr(cfg, "rope_parameters", None) or {}
+        # mRoPE (Qwen2.5-VL): frequency j rotates by the temporal, height or width position, by sections
+        section = params.get("mrope_section")
+        self.axis = (torch.repeat_interleave(torch.arange(3), torch.tensor(section))[None, None, :]
+                     if section else None)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [N, head_dim] of ``positions`` [N]."""
+        """cos and sin [N, head_dim] of ``positions`` [N], or of mRoPE's [3, N] (as HF's ``recomposition``)."""
         freqs = positions[..., None].float() * self.inv_freq.float()
+        if positions.dim() == 2:
+            freqs = freqs.transpose(0, 1).gather(1, self.axis.expand(freqs.shape[1], 1, freqs.shape[2]))[:, 0]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
@@ -72,6 +79,7 @@ class EngineModel:
     eos_ids: set[int]
     rope: Rope | None = None
     hf_model: torch.nn.Module | None = None
+    vl_config: Any = None  # a vision-language checkpoint's whole config (``config`` is its language model's)
 
     @property
     def weight_bytes(self) -> int:
@@ -83,7 +91,7 @@ def state_dict_names(cfg: Any) -> list[str]:
     """The names of HF's state dict for a lean-supported ``cfg`` (the causal-LM model), in its order."""
     kind = cfg.model_type
     biased = kind in ("llama", "qwen3", "qwen3_moe") and getattr(cfg, "attention_bias", False)
-    qkv_bias, o_bias = kind == "qwen2" or biased, biased
+    qkv_bias, o_bias = kind in ("qwen2", "qwen2_5_vl_text") or biased, biased
     names = ["model.embed_tokens.weight"]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -107,17 +115,18 @@ def num_experts(cfg: Any) -> int:
     return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
 
 
-def _read_tensors(path: Path, wanted: set[str]) -> dict[str, torch.Tensor] | None:
-    """``wanted`` tensors from the directory's safetensors files, or None when any is missing."""
+def _read_tensors(path: Path, wanted: set[str], prefix: str | None = None) -> dict[str, torch.Tensor] | None:
+    """``wanted`` tensors (and any whose name starts with ``prefix``) from the directory's safetensors files, or
+    None when any wanted one is missing."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in wanted:
+                if name in wanted or (prefix and name.startswith(prefix)):
                     out[name] = st.get_tensor(name)
-    return out if out.keys() == wanted else None
+    return out if wanted <= out.keys() else None
 
 
 def model_eos_ids(path: Path, cfg: Any) -> set[int]:
@@ -138,17 +147,24 @@ def load_engine_model(model_path: str, dtype: torch.dtype, lean: bool) -> Engine
     from transformers import AutoConfig
 
     path = Path(model_path)
-    cfg = AutoConfig.from_pretrained(model_path)
+    top = AutoConfig.from_pretrained(model_path)
+    vl = getattr(top, "vision_config", None) is not None
+    cfg = top.get_text_config() if vl else top
+    if vl and not (lean and lean_supported(cfg)):
+        raise ValueError(f"{top.model_type}: a vision-language model is served by the lean forward only")
     if lean and lean_supported(cfg):
         names = state_dict_names(cfg)
-        tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        tied = bool(getattr(top, "tie_word_embeddings", False))
         wanted = set(names) - ({"lm_head.weight"} if tied else set())
-        tensors = _read_tensors(path, wanted)
+        tensors = _read_tensors(path, wanted, prefix="visual." if vl else None)
         if tensors is not None:
-            params = {n: tensors[n].to(dtype) for n in names if n in tensors}
+            params = {n: tensors[n].to(dtype) for n in [*names, *sorted(tensors.keys() - set(names))] if n in tensors}
             if tied:
                 params["lm_head.weight"] = params["model.embed_tokens.weight"]
-            return EngineModel(config=cfg, params=params, eos_ids=model_eos_ids(path, cfg), rope=Rope(cfg))
+            return EngineModel(config=cfg, params=params, eos_ids=model_eos_ids(path, top), rope=Rope(cfg),
+                               vl_config=top if vl else None)
+        if vl:
+            raise ValueError(f"{path.name}: the checkpoint lacks some of the language model's tensors")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()

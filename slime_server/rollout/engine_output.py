@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from slime_server.rollout import engine_routes
 from slime_server.rollout.engine_sequence import Sequence
 from slime_server.rollout.protocol import GenerateOutput, LogprobEntry, MetaInfo, version_spans
+from slime_server.rollout.sampling import logprobs_of, top_logprobs
 
 
 def output_of(seq: Sequence, tokenizer: Any, current_version: str) -> GenerateOutput:
@@ -34,6 +37,7 @@ def output_of(seq: Sequence, tokenizer: Any, current_version: str) -> GenerateOu
         weight_versions=spans,
         e2e_latency=None if seq.finished_at is None else seq.finished_at - seq.created,  # final only
         routed_experts=engine_routes.answer(seq) if f is not None else None,  # final only, as SGLang's
+        image_tokens=seq.images.image_tokens if seq.images is not None else None,  # SGLang: only when > 0
     )
     if seq.return_logprob:
         named = (lambda e: _with_text(tokenizer, e)) if seq.logprob_text else _same
@@ -45,7 +49,8 @@ def output_of(seq: Sequence, tokenizer: Any, current_version: str) -> GenerateOu
             meta.input_token_logprobs = named(seq.input_logprobs or [])
             meta.input_top_logprobs = (None if seq.input_top is None else
                                        [None if t is None else named(t) for t in seq.input_top])
-    return GenerateOutput(text=text, output_ids=ids, meta_info=meta)
+    return GenerateOutput(text=text, output_ids=ids, meta_info=meta,
+                          prompt_token_ids=list(seq.prompt_ids) if seq.return_prompt_token_ids else None)
 
 def _with_text(tokenizer: Any, entries: list[LogprobEntry]) -> list[LogprobEntry]:
     """SGLang's ``return_text_in_logprobs``: the third element is the token's text."""
@@ -56,3 +61,20 @@ def _with_text(tokenizer: Any, entries: list[LogprobEntry]) -> list[LogprobEntry
 
 def _same(entries: list[LogprobEntry]) -> list[LogprobEntry]:
     return entries
+
+
+def input_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
+    """The prompt's log-probs from ``logprob_start_len`` on (SGLang's ``input_token_logprobs``; the first
+    position has none), from the prefill's logits of every prompt position."""
+    start = seq.logprob_start_len
+    lp = logprobs_of(logits[:-1], seq.params)
+    targets = torch.tensor(seq.prompt_ids[1:])
+    chosen = lp.gather(-1, targets[:, None])[:, 0].tolist()
+    entries: list[LogprobEntry] = [] if start > 0 else [(None, seq.prompt_ids[0], None)]
+    tops: list[list[LogprobEntry] | None] = [] if start > 0 else [None]
+    for pos in range(max(start, 1), len(seq.prompt_ids)):
+        entries.append((chosen[pos - 1], seq.prompt_ids[pos], None))
+        if seq.top_logprobs_num:
+            tops.append(top_logprobs(lp[pos - 1], seq.top_logprobs_num))
+    seq.input_logprobs = entries
+    seq.input_top = tops if seq.top_logprobs_num else None

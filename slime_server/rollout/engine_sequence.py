@@ -52,6 +52,18 @@ class Sequence:
     return_routed_experts: bool = False  # SGLang's request fields (an MoE model's routes; engine_routes.py)
     routed_experts_start_len: int = 0
     routes: list[torch.Tensor] = field(default_factory=list)  # MoE: routes of positions 0 .. kv_len - 1, in pieces
+    images: Any = None  # a vision-language prompt's images (engine_vision.PromptImages; prompt_ids are expanded)
+    return_prompt_token_ids: bool = False  # SGLang's: the answer carries the (expanded) prompt ids
+
+    @property
+    def rope_delta(self) -> int:
+        """mRoPE: a position past the prompt is its index plus this (0 without images)."""
+        return self.images.delta if self.images is not None else 0
+
+    def cache_key(self) -> list[int]:
+        """The ids the prefix cache keys this sequence's K/V by: each image's pads replaced by its hash's ids."""
+        ids = self.images.key_ids if self.images is not None else self.prompt_ids
+        return ids + self.output_ids
 
     @property
     def lora_slot(self) -> int:

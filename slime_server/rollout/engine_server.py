@@ -95,6 +95,20 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
+def _images_per_prompt(image_data: Any, n: int, batch: bool) -> list[list[str]]:
+    """SGLang's shapes of ``image_data``: for one prompt an image or a list of them; for a batch a list with one
+    entry a prompt (an image or a list), or one image given to every prompt."""
+    if image_data is None:
+        return [[] for _ in range(n)]
+    if not batch:
+        return [image_data if isinstance(image_data, list) else [image_data]]
+    if not isinstance(image_data, list):
+        return [[image_data] for _ in range(n)]
+    if len(image_data) != n:
+        raise BadRequest("The length of image_data should be equal to the batch size.")
+    return [item if isinstance(item, list) else [item] for item in image_data]
+
+
 class GenerateHandler:
     """Turns one ``/generate`` body into engine sequences and their SGLang-shaped results."""
 
@@ -131,15 +145,20 @@ class GenerateHandler:
             error = engine_routes.start_len_error(len(prompt), req.routed_experts_start_len)
             if error:
                 raise BadRequest(error)
+        images = _images_per_prompt(req.image_data, n, batch)
         # n > 1: new_sequences gives each sample a fresh uuid, as SGLang's tokenizer manager does
         seqs: list[Sequence] = []
         for i, prompt in enumerate(prompts):
+            mm = None
+            if images[i]:
+                prompt, mm = self.engine.prepare_images(prompt, images[i])
             self.engine.validate(prompt, params[i], tops[i], starts[i])
             seqs += self.engine.new_sequences(prompt, params[i], rid=rids[i], return_logprob=bool(want_lp[i]),
                                               top_logprobs_num=int(tops[i]), logprob_start_len=int(starts[i]),
                                               stream=req.stream, logprob_text=req.return_text_in_logprobs,
                                               lora=adapters[i], return_routed_experts=routes,
-                                              routed_experts_start_len=req.routed_experts_start_len)
+                                              routed_experts_start_len=req.routed_experts_start_len, images=mm,
+                                              return_prompt_token_ids=req.return_prompt_token_ids)
         return seqs
 
     def _adapter(self, name: str | None) -> Any:
@@ -157,8 +176,9 @@ class GenerateHandler:
             raise BadRequest(str(e)) from None
 
     async def run(self, req: GenerateReqInput, request: Request) -> Response:
-        # naming an adapter may load it (one unloaded or evicted): off the event loop then
-        seqs = await asyncio.to_thread(self.build, req) if req.lora_path is not None else self.build(req)
+        # naming an adapter may load it (one unloaded or evicted), images are decoded and resized: off the event loop
+        slow = req.lora_path is not None or req.image_data is not None
+        seqs = await asyncio.to_thread(self.build, req) if slow else self.build(req)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, GenerateOutput | None]] = asyncio.Queue()
         many = req.is_batch or len(seqs) > 1

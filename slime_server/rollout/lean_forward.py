@@ -30,6 +30,7 @@ from slime_server.rollout.engine_lora import AdapterBank, RowSlots
 from slime_server.rollout.engine_model import Rope, lean_supported, num_experts
 from slime_server.rollout.engine_sequence import Sequence
 
+Images = tuple[torch.Tensor, torch.Tensor] | None  # a prompt's image positions and their embeddings
 PREFILL_MASK_ELEMENTS = 16 * 2**20  # attention mask elements per chunk of a prefill after a reused prefix
 
 
@@ -75,6 +76,7 @@ class LeanForward:
         self.final_norm = params["model.norm.weight"]
         self.lm_head = params["lm_head.weight"]
         self.rope = rope
+        self._mrope = rope.axis is not None  # a decode position is then the index plus the sequence's rope_delta
         self.eps = float(cfg.rms_norm_eps)
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(cfg.num_key_value_heads)
@@ -216,23 +218,28 @@ class LeanForward:
 
     # ------------------------------------------------------------------ passes
     def prefill(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], all_logits: bool = False,
-                start: int = 0, lora_slot: int = 0) -> torch.Tensor:
+                start: int = 0, lora_slot: int = 0, images: Images = None, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Run one sequence's ``ids[start:]``, writing their K/V into ``kv`` (per layer [nkv, cap, hd], cap >=
         len(ids)), whose first ``start`` positions already hold ``ids[:start]``'s (a reused prefix); returns
-        the logits of every computed position, or of the last only. ``lora_slot``: its adapter (0: the base)."""
+        the logits of every computed position, or of the last only. ``lora_slot``: its adapter (0: the base).
+        A vision-language prompt's ``images``: (positions, embeddings) that replace those positions' token
+        embeddings; ``positions``: its mRoPE positions [3, len(ids)] (engine_vision.rope_index)."""
         self._rows = RowSlots.of([lora_slot]) if self.lora is not None else None
         self._start_routes()
         try:
-            return self._prefill(ids, kv, all_logits, start)
+            return self._prefill(ids, kv, all_logits, start, images, positions)
         finally:
             self._rows = None
             self._end_routes()
 
     def _prefill(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], all_logits: bool,
-                 start: int) -> torch.Tensor:
+                 start: int, images: Images, positions: torch.Tensor | None) -> torch.Tensor:
         n, new = len(ids), len(ids) - start
         x = F.embedding(torch.tensor(ids[start:]), self.embed)
-        cos, sin = self._positions(torch.arange(start, n))
+        if images is not None:
+            x[images[0] - start] = images[1].to(x.dtype)
+        cos, sin = self._positions(torch.arange(start, n) if positions is None else positions[:, start:n])
         for layer, (kb, vb) in zip(self.layers, kv, strict=True):
             q, k, v = self._qkv(layer, x, cos, sin)
             kb[:, start:n] = k.transpose(0, 1)
@@ -299,7 +306,7 @@ class LeanForward:
             mask = torch.zeros((n, 1, 1, length), dtype=self.embed.dtype).masked_fill_(hidden[:, None, None, :],
                                                                                        float("-inf"))
         x = F.embedding(torch.tensor([s.output_ids[-1] for s in batch]), self.embed)
-        cos, sin = self._positions(pos)
+        cos, sin = self._positions(pos + torch.tensor([s.rope_delta for s in batch]) if self._mrope else pos)
         at = int(pos[0])
         for layer, (kp, vp) in zip(self.layers, self._pool, strict=True):
             q, k, v = self._qkv(layer, x, cos, sin)

@@ -134,6 +134,11 @@ class GenerateReqInput(_Lenient):
                                         "(servers started with --enable-return-routed-experts)")
     routed_experts_start_len: int = Field(0, description="SGLang's: the routes returned cover positions "
                                           "[routed_experts_start_len, seqlen - 1); in [0, prompt tokens]")
+    image_data: str | list[str] | list[list[str]] | None = Field(
+        None, description="SGLang's: images of a vision-language prompt, in prompt order, each a data URL or "
+        "base64 (input_ids hold one <|vision_start|><|image_pad|><|vision_end|> per image); a batch: one list a prompt")
+    return_prompt_token_ids: bool = Field(False, description="SGLang's: the answer carries the prompt's ids as the "
+                                          "engine ran them (images' pads expanded)")
 
     @field_validator("sampling_params", mode="before")
     @classmethod
@@ -204,6 +209,7 @@ class MetaInfo(BaseModel):
     # SGLang's routed experts (MoE, final output only): base64 of little-endian int32 [seqlen - 1 - start_len,
     # num_hidden_layers, top-k], seqlen = prompt + output tokens (the last output token was never run)
     routed_experts: str | None = None
+    image_tokens: int | None = None  # SGLang's: the prompt's image pad tokens (sent only when > 0)
 
     def token_versions(self, n: int) -> list[str]:
         """The weight version of each of the first ``n`` output tokens (from the spans; without spans,
@@ -225,15 +231,18 @@ class GenerateOutput(BaseModel):
     output_ids: list[int]
     meta_info: MetaInfo
     index: int | None = None
+    prompt_token_ids: list[int] | None = None  # SGLang's, with return_prompt_token_ids: the expanded prompt
 
     def wire(self) -> dict[str, Any]:
         """JSON dict with optional-but-absent logprob fields dropped, as SGLang omits them."""
         d = self.model_dump(exclude_none=False)
         if self.index is None:
             d.pop("index")
+        if self.prompt_token_ids is None:
+            d.pop("prompt_token_ids")
         mi = d["meta_info"]
         for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs",
-                    "input_top_logprobs", "weight_versions", "e2e_latency", "routed_experts"):
+                    "input_top_logprobs", "weight_versions", "e2e_latency", "routed_experts", "image_tokens"):
             if mi.get(key) is None:
                 mi.pop(key, None)
         fr = mi["finish_reason"]
