@@ -171,7 +171,12 @@ class GatewaySettings(_Section):
         "system_prompt", description="tools sent to a model whose chat template ignores them: describe them in "
         "the system prompt (Hermes format), or answer 400 tools_not_supported")
     reasoning_parser: str | None = Field("qwen3", description="qwen3 | deepseek-r1 | glm45 | None")
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, description="largest request body (images come inline "
+                                "as base64, and every turn resends the conversation's)")
+    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1024, description="largest image file (decoded) a request may "
+                                 "hold (400 above)")
+    fetch_image_urls: bool = Field(False, description="fetch http(s) image URLs named in requests (off: such an image "
+                                   "is a 400 and clients send images inline as data URLs)")
     max_n: int = Field(8, ge=1, le=16)
     max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt a request may send (400 above); "
                                           "default: the model's context")

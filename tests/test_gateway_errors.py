@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from slime_server.config import GatewaySettings
 from tests._gateway_helpers import (
     MODEL,
     WEATHER_TOOL,
@@ -79,7 +80,7 @@ def test_chat_bad_input(gateway: GatewayProc) -> None:
 
 
 def test_body_limit_unknown_route_unknown_session(gateway: GatewayProc) -> None:
-    big = [{"role": "user", "content": "x" * (5 * 1024 * 1024)}]
+    big = [{"role": "user", "content": "x" * GatewaySettings().max_body_bytes}]
     assert_error(post(gateway, "/chat/completions", {"model": MODEL, "messages": big}), 413, "request_too_large")
     assert_error(httpx.get(f"{gateway.base_url}/nope"), 404, "unknown_url")
     assert_error(httpx.get(f"{gateway.base_url}/sessions/sess-missing",

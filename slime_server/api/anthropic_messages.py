@@ -62,6 +62,50 @@ def _text(content: str | list[Any] | None, where: str) -> str:
     return BLOCK_SEPARATOR.join(parts)
 
 
+def _parts(content: str | list[Any] | None, where: str) -> str | list[dict[str, Any]]:
+    """A user message's or a tool result's blocks: one string when all are text (joined by ``BLOCK_SEPARATOR``);
+    with images, chat parts in order (an image block's source as a data URL or its URL; ``ImageReader`` reads it),
+    the same separator between blocks."""
+    if content is None or isinstance(content, str) or all(b.type == "text" for b in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for i, block in enumerate(content):
+        if parts:
+            parts.append({"type": "text", "text": BLOCK_SEPARATOR})
+        if block.type == "text":
+            parts.append({"type": "text", "text": block.text})
+        elif block.type == "image":
+            parts.append({"type": "image_url", "image_url": {"url": image_source(block.source, f"{where}[{i}]")}})
+        else:
+            raise bad_request(f"{where}[{i}]: {block.type} content is not supported by this server",
+                              param=f"{where}[{i}]")
+    return parts
+
+
+def image_source(source: dict[str, Any], where: str) -> str:
+    """An image block's ``source``: base64 (with its media type) as a data URL, or a URL."""
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad_request(f"{where}.source: an image source is {{type: base64, media_type, data}} or {{type: url, url}}",
+                      param=f"{where}.source")
+
+
+def refuse_images(messages: list[MessageParam]) -> None:
+    """For a text-only model: the first image block (in a message or a tool result) is a 400 naming where it is."""
+    for i, msg in enumerate(messages):
+        for j, block in enumerate(msg.content if isinstance(msg.content, list) else []):
+            inner = block.content if block.type == "tool_result" and isinstance(block.content, list) else []
+            spots = [(f"messages[{i}].content[{j}]", block)] + [
+                (f"messages[{i}].content[{j}].content[{k}]", b) for k, b in enumerate(inner)]
+            for where, b in spots:
+                if b.type == "image":
+                    raise bad_request(f"{where}: image content is not supported by this text-only model",
+                                      param=where, code="images_not_supported")
+
+
 def system_messages(system: str | list[TextBlockParam] | None) -> list[dict[str, Any]]:
     text = _text(system, "system")
     return [{"role": "system", "content": text}] if text else []
@@ -98,16 +142,16 @@ def chat_messages(messages: list[MessageParam]) -> list[dict[str, Any]]:
                 entry["tool_calls"] = calls
             out.append(entry)
             continue
-        texts: list[str] = []
+        texts: list[Any] = []
         for j, block in enumerate(msg.content):
             if block.type == "tool_result":
                 if msg.role != "user":
                     raise bad_request(f"{where}[{j}]: tool_result blocks belong in user messages",
                                       param=f"{where}[{j}]")
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": _text(block.content, f"{where}[{j}].content")})
-            elif block.type == "text":
-                texts.append(block.text)
+                            "content": _parts(block.content, f"{where}[{j}].content")})
+            elif block.type in ("text", "image"):
+                texts.append(block)
             elif block.type in ("thinking", "redacted_thinking", "tool_use"):
                 raise bad_request(f"{where}[{j}]: {block.type} blocks belong in assistant messages",
                                   param=f"{where}[{j}]")
@@ -115,7 +159,7 @@ def chat_messages(messages: list[MessageParam]) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}[{j}]: {block.type} content is not supported by this text-only model",
                                   param=f"{where}[{j}]")
         if texts or not any(b.type == "tool_result" for b in msg.content):
-            out.append({"role": msg.role, "content": BLOCK_SEPARATOR.join(texts)})
+            out.append({"role": msg.role, "content": _parts(texts, where)})
     return out
 
 

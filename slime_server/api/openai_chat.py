@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from slime_server.gateway.core import Gateway
-from slime_server.gateway.errors import APIError
+from slime_server.gateway.errors import APIError, bad_request
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.protocol import (
     ChatChoice,
@@ -21,6 +21,19 @@ from slime_server.gateway.protocol import (
 )
 from slime_server.gateway.turn import ChatTurn, token_logprobs
 from slime_server.gateway.turn_stream import StreamDelta, turn_events
+
+
+def check_tool_images(req: ChatCompletionRequest) -> None:
+    """OpenAI's Chat Completions takes only text in a tool message (its ``ChatCompletionToolMessageParam``); an image a
+    tool returns goes in a user message after it (Responses' ``function_call_output`` and Messages' ``tool_result``
+    carry images themselves)."""
+    for i, m in enumerate(req.messages):
+        if m.role == "tool" and isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type == "image_url":
+                    where = f"messages[{i}].content[{j}]"
+                    raise bad_request(f"{where}: a tool message holds text only in Chat Completions (as OpenAI's API); "
+                                      "send the tool's image in a user message after it", param=where)
 
 
 async def chat_completion(gw: Gateway, req: ChatCompletionRequest, principal: Principal,

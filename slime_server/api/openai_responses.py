@@ -38,6 +38,7 @@ from slime_server.api.responses_protocol import (
 from slime_server.buffer.schema import StoredResponse
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.images import by_reference
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.protocol import ChatCompletionRequest, DeltaMessage, ResponseMessage
 from slime_server.gateway.recording import call_store
@@ -51,19 +52,42 @@ MAX_CHAIN = 10_000  # previous_response_id links followed at most (a cycle canno
 # ----------------------------------------------------------------------------- input -> chat messages
 
 
-def _parts_text(content: str | list[Any], where: str) -> str:
+def _parts_text(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
+    """Input parts as chat content: one string when all are text; with ``input_image`` parts, chat parts in order
+    (``ImageReader`` reads each image)."""
     if isinstance(content, str):
         return content
-    texts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         if part.type in ("input_text", "output_text"):
-            texts.append(part.text)
+            parts.append({"type": "text", "text": part.text})
         elif part.type == "refusal":
-            texts.append(part.refusal)
+            parts.append({"type": "text", "text": part.refusal})
+        elif part.type == "input_image":
+            url = part.image_url
+            if not url:
+                raise bad_request(f"{where}[{i}]: an input_image needs image_url (this server has no Files API for "
+                                  "file_id)", param=f"{where}[{i}]")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
-            raise bad_request(f"{where}[{i}]: {part.type} content is not supported by this text-only model",
+            raise bad_request(f"{where}[{i}]: {part.type} content is not supported by this server",
                               param=f"{where}[{i}]")
-    return "".join(texts)
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def refuse_images(items: str | list[Any]) -> None:
+    """For a text-only model: the first ``input_image`` is a 400 naming where it is in the request."""
+    if isinstance(items, str):
+        return
+    for i, item in enumerate(items):
+        content, where = ((item.content, f"input[{i}].content") if item.type == "message" else
+                          (item.output, f"input[{i}].output") if item.type == "function_call_output" else (None, ""))
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if part.type == "input_image":
+                raise bad_request(f"{where}[{j}]: input_image content is not supported by this text-only model",
+                                  param=f"{where}[{j}]", code="images_not_supported")
 
 
 def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
@@ -175,7 +199,8 @@ async def store_response(gw: Gateway, turn: ChatTurn, principal: Principal, req:
     message = turn_message(response)
     stored = StoredResponse(id=response.id, session_id=turn.prepared.session_id, owner=principal.session_owner,
                             previous_response_id=req.previous_response_id,
-                            body={"input": new, "output": message, "response": response.model_dump()})
+                            body={"input": by_reference(new, turn.images), "output": message,
+                                  "response": response.model_dump()})
     await in_thread(call_store, gw.store.put_stored_response, stored)
 
 

@@ -41,11 +41,21 @@ class RefusalParam(WireModel):
     refusal: str
 
 
-_KNOWN_PART_TYPES = ("input_text", "output_text", "refusal")
+class InputImage(WireModel):
+    """An image: ``image_url`` a data URL (or an http(s) URL where the server fetches them); ``file_id`` is refused
+    (no Files API here)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+_KNOWN_PART_TYPES = ("input_text", "output_text", "refusal", "input_image")
 
 
 class UnsupportedPart(WireModel):
-    """``input_image``, ``input_file``, ``input_audio``: refused with a 400 naming the part."""
+    """``input_file``, ``input_audio``: refused with a 400 naming the part."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     # Published as "any type but the three above": the union is a oneOf, which a part that two branches' schemas
@@ -60,7 +70,8 @@ def _part_kind(v: Any) -> str:
 
 ContentPart = Annotated[
     Annotated[InputText, Tag("input_text")] | Annotated[OutputTextParam, Tag("output_text")]
-    | Annotated[RefusalParam, Tag("refusal")] | Annotated[UnsupportedPart, Tag("other")],
+    | Annotated[RefusalParam, Tag("refusal")] | Annotated[InputImage, Tag("input_image")]
+    | Annotated[UnsupportedPart, Tag("other")],
     Discriminator(_part_kind),
 ]
 

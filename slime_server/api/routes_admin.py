@@ -67,8 +67,8 @@ async def revoke_key(key_id: str, gw: GW) -> ApiKeyRecord:
 async def export(gw: GW, status: Literal["finished", "open", "aborted", "all"] = "finished",
                  rewarded_only: bool = False, limit: Annotated[int | None, Query(ge=1)] = None) -> StreamingResponse:
     """Trajectories as slime samples, one JSON object per line (what ``slime-server export`` writes)."""
-    it = SampleNumbering().samples(gw.store.iter_trajectories(status=None if status == "all" else status,
-                                                              rewarded=True if rewarded_only else None))
+    it = SampleNumbering(gw.store).samples(gw.store.iter_trajectories(
+        status=None if status == "all" else status, rewarded=True if rewarded_only else None))
 
     def next_lines(n: int = 64) -> list[str]:
         lines = []

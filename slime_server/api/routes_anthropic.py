@@ -24,6 +24,7 @@ from slime_server.api.anthropic_protocol import (
 )
 from slime_server.api.deps import get_gateway, get_principal
 from slime_server.gateway.core import Gateway
+from slime_server.gateway.images import ImageReader, TurnImages
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.recording import call_store
 from slime_server.gateway.threads import in_thread
@@ -46,6 +47,8 @@ TurnTypeHeader = Annotated[Literal["main", "side"] | None, Header(
 async def create_message(req: MessagesRequest, gw: GW, principal: Caller, x_session_id: SessionHeader = None,
                          x_claude_code_session_id: ClaudeCodeSession = None,
                          x_turn_type: TurnTypeHeader = None):
+    if getattr(gw.renderer, "vision", None) is None:
+        am.refuse_images(req.messages)
     chat = am.to_chat_request(req)
     validate_chat(gw, chat)
     side = is_side_turn(x_turn_type, None)
@@ -62,7 +65,16 @@ async def create_message(req: MessagesRequest, gw: GW, principal: Caller, x_sess
 async def count_tokens(req: CountTokensRequest, gw: GW, _: Caller) -> CountTokensResponse:
     """The prompt's token count as this server would render it (no session, nothing recorded)."""
     check_model(gw, req.model)
+    vision = getattr(gw.renderer, "vision", None)
+    if vision is None:
+        am.refuse_images(req.messages)
     messages = am.system_messages(req.system) + am.chat_messages(req.messages)
+    reader = ImageReader(vision, gw.model_name, fetch_urls=gw.settings.fetch_image_urls,
+                         max_bytes=gw.settings.max_image_bytes)
+    messages = await reader.canonical(messages, TurnImages())
     tools = am.chat_tools(req.tools)
     ids = await in_thread(call_store, gw.renderer.render_ids, messages, tools)
-    return CountTokensResponse(input_tokens=len(ids))
+    # each image renders as one pad; the engine sees it expanded
+    pads = sum(p["tokens"] - 1 for m in messages if isinstance(m.get("content"), list) for p in m["content"]
+               if p.get("type") == "image")
+    return CountTokensResponse(input_tokens=len(ids) + pads)

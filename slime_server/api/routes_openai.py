@@ -66,6 +66,7 @@ async def get_model(model_id: str, gw: GW, principal: Caller) -> ModelCard:
 async def chat_completions(req: ChatCompletionRequest, gw: GW, principal: Caller,
                            x_session_id: SessionHeader = None, x_turn_type: TurnTypeHeader = None):
     core.validate_chat(gw, req)
+    openai_chat.check_tool_images(req)
     side = core.is_side_turn(x_turn_type, req.metadata)
     if not req.stream:
         return await openai_chat.chat_completion(gw, req, principal, x_session_id, side=side)

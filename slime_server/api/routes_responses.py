@@ -44,6 +44,8 @@ def header_session(request: Request) -> str | None:
 @router.post("/responses", response_model=ResponseObject, responses={200: {"content": {"text/event-stream": {}}}})
 async def create_response(req: ResponsesRequest, request: Request, gw: GW, principal: Caller,
                           x_turn_type: TurnTypeHeader = None):
+    if getattr(gw.renderer, "vision", None) is None:
+        orr.refuse_images(req.input)
     new = orr.input_messages(req.input)
     past: list[dict] = []
     named = header_session(request)

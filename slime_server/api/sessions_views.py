@@ -20,6 +20,15 @@ class TurnView(BaseModel):
     lora_adapter: str | None = None  # the LoRA adapter that generated it (None: the base)
 
 
+class ImageSpanView(BaseModel):
+    """An image among a trajectory's tokens: ``tokens[offset:offset + length]`` are its pads; the file is stored once
+    by ``sha256``."""
+
+    sha256: str
+    offset: int
+    length: int
+
+
 class TrajectoryView(BaseModel):
     id: str
     session_id: str
@@ -32,6 +41,7 @@ class TrajectoryView(BaseModel):
     rollout_logprobs: list[float]
     weight_versions: list[int]
     turns: list[TurnView]
+    images: list[ImageSpanView] = []
     reward: float | None = None
     turn_rewards: list[float | None] = []
     num_tokens: int
@@ -73,6 +83,7 @@ def trajectory_view(t: Any) -> TrajectoryView:
         id=t.id, session_id=t.session_id, segment=t.segment, branch=t.branch, group_id=t.group_id,
         status=t.status, tokens=t.tokens, loss_mask=t.loss_mask, rollout_logprobs=t.rollout_logprobs,
         weight_versions=t.weight_versions, turns=[TurnView.model_validate(x, from_attributes=True) for x in t.turns],
+        images=[ImageSpanView.model_validate(s, from_attributes=True) for s in getattr(t, "images", [])],
         reward=t.reward, turn_rewards=list(t.turn_rewards), num_tokens=len(t.tokens),
         num_generated_tokens=sum(t.loss_mask), metadata=t.metadata)
 

@@ -14,6 +14,7 @@ versions, turns, turn rewards).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -50,6 +51,9 @@ class ExportedSample(BaseModel):
     # slime's MoE field: the engine's top-k experts [positions, layers, topk] of the tokens from the first (all but
     # the last token; None: not recorded)
     rollout_routed_experts: list[list[list[int]]] | None = None
+    # slime's multimodal field: what its processor takes, {"images": [...]} in the order of their pads in tokens
+    # (each a data URL, from the store's one copy); where each image's pads are: metadata["image_spans"]
+    multimodal_inputs: dict[str, list[str]] | None = None
 
 
 def _sample_status(t: Trajectory) -> SampleStatus:
@@ -76,7 +80,8 @@ def generation_versions(t: Trajectory) -> list[str]:
 class SampleNumbering:
     """The ints slime's ``Sample`` wants for our string ids, numbered in the order samples are written."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: TrajectoryStore | None = None) -> None:
+        self._store = store  # the image files of trajectories that show images
         self._groups: dict[str, int] = {}
         self._sessions: dict[str, int] = {}
         self._next_index = 0
@@ -92,12 +97,22 @@ class SampleNumbering:
             weight_versions=generation_versions(t), rollout_log_probs=t.rollout_logprobs[start:],
             status=_sample_status(t), session_id=t.session_id,
             rollout_routed_experts=None if t.routed_experts is None else t.routed_experts.array().tolist(),
-            metadata={**t.metadata, "trajectory_id": t.id, "group_id": t.group_id, "segment": t.segment,
+            multimodal_inputs=self._images(t),
+            metadata={**t.metadata, **({"image_spans": [s.model_dump() for s in t.images]} if t.images else {}), "trajectory_id": t.id, "group_id": t.group_id, "segment": t.segment,
                       "branch": t.branch, "prompt_length": start, "turn_rewards": t.turn_rewards,
                       "token_weight_versions": t.weight_versions[start:],
                       "turns": [turn.model_dump() for turn in t.turns], "consumed_step": t.consumed_step,
                       "consumed_job": t.consumed_job},
         )
+
+    def _images(self, t: Trajectory) -> dict[str, list[str]] | None:
+        if not t.images:
+            return None
+        if self._store is None:
+            raise ValueError("exporting a trajectory with images needs the store that holds them")
+        blobs = self._store.get_images([s.sha256 for s in t.images])
+        return {"images": [f"data:{blobs[s.sha256].mime};base64,{base64.b64encode(blobs[s.sha256].data).decode()}"
+                           for s in t.images]}
 
     def samples(self, trajectories: Iterable[Trajectory]) -> Iterator[ExportedSample]:
         return (self.sample(t) for t in trajectories)
@@ -110,7 +125,7 @@ def export_jsonl(store: TrajectoryStore, path: str | Path, status: TrajectorySta
     tmp = path.with_name(path.name + ".tmp")
     count = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for sample in SampleNumbering().samples(store.iter_trajectories(status=status, rewarded=rewarded)):
+        for sample in SampleNumbering(store).samples(store.iter_trajectories(status=status, rewarded=rewarded)):
             # float repr round-trips exactly, so the logprobs in the file are bit-equal to the store's.
             f.write(json.dumps(sample.model_dump(), ensure_ascii=False, allow_nan=True) + "\n")
             count += 1
@@ -127,16 +142,18 @@ def read_jsonl(path: str | Path) -> list[ExportedSample]:
 
 def export_parquet(store: TrajectoryStore, path: str | Path, status: TrajectoryStatus | None = "finished",
                    *, rewarded: bool | None = None) -> int:
-    """Same rows as :func:`export_jsonl` in Parquet (metadata as a JSON string); needs ``pyarrow``."""
+    """Same rows as :func:`export_jsonl` in Parquet (metadata and multimodal_inputs as JSON strings); needs
+    ``pyarrow``."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as exc:  # optional dependency
         raise RuntimeError("Parquet export needs pyarrow: pip install pyarrow") from exc
     rows = []
-    for sample in SampleNumbering().samples(store.iter_trajectories(status=status, rewarded=rewarded)):
+    for sample in SampleNumbering(store).samples(store.iter_trajectories(status=status, rewarded=rewarded)):
         d = sample.model_dump()
         d["metadata"] = json.dumps(d["metadata"])
+        d["multimodal_inputs"] = None if d["multimodal_inputs"] is None else json.dumps(d["multimodal_inputs"])
         rows.append(d)
     schema = pa.schema([
         ("group_index", pa.int64()), ("index", pa.int64()), ("rollout_id", pa.int64()), ("prompt", pa.string()),
@@ -144,7 +161,7 @@ def export_parquet(store: TrajectoryStore, path: str | Path, status: TrajectoryS
         ("label", pa.string()), ("reward", pa.float64()), ("loss_mask", pa.list_(pa.int8())),
         ("weight_versions", pa.list_(pa.string())), ("rollout_log_probs", pa.list_(pa.float64())),
         ("status", pa.string()), ("metadata", pa.string()), ("session_id", pa.string()),
-        ("rollout_routed_experts", pa.list_(pa.list_(pa.list_(pa.int32())))),
+        ("rollout_routed_experts", pa.list_(pa.list_(pa.list_(pa.int32())))), ("multimodal_inputs", pa.string()),
     ])
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), str(path))
     return len(rows)

@@ -137,6 +137,13 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE trajectories ADD COLUMN routed_experts {blob};
     """,
+    # 9: images (issue 45): each image file once by content hash, and each trajectory's image spans (JSON).
+    """
+    CREATE TABLE images (
+        sha256 TEXT PRIMARY KEY, mime TEXT NOT NULL, width INTEGER NOT NULL, height INTEGER NOT NULL,
+        data {blob} NOT NULL, created_at {real} NOT NULL);
+    ALTER TABLE trajectories ADD COLUMN images TEXT;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -14,6 +14,7 @@ import numpy as np
 
 from slime_server.buffer.routed_experts import RoutedExperts
 from slime_server.buffer.schema import (
+    ImageSpan,
     NormalizedMessage,
     Session,
     SessionForbidden,
@@ -26,7 +27,7 @@ from slime_server.buffer.schema import (
 Row = Any
 
 TRAJ_COLUMNS = ("id, session_id, segment, branch, group_id, tokens, loss_mask, rollout_logprobs, "
-                "weight_versions, routed_experts, turns, messages, tools_digest, reward, turn_rewards, status, "
+                "weight_versions, routed_experts, images, turns, messages, tools_digest, reward, turn_rewards, status, "
                 "consumed_step, consumed_job, metadata, revision, created_at, updated_at")
 HEAD_COLUMNS = "id, session_id, group_id, reward, created_at, updated_at, loss_mask, weight_versions"
 SESSION_COLUMNS = "id, group_id, metadata, status, key_hash, owner, segment_splits, created_at, updated_at"
@@ -64,6 +65,7 @@ def traj_from_row(row: Row) -> Trajectory:
         rollout_logprobs=unpack(row["rollout_logprobs"], "<f8"),
         weight_versions=unpack(row["weight_versions"], "<i8"), routed_experts=RoutedExperts.unpack(row["routed_experts"]),
         turns=[Turn.model_validate(t) for t in json.loads(row["turns"])],
+        images=[ImageSpan.model_validate(s) for s in json.loads(row["images"] or "[]")],
         messages=[NormalizedMessage.model_validate(m) for m in json.loads(row["messages"])],
         tools_digest=row["tools_digest"], reward=row["reward"], turn_rewards=json.loads(row["turn_rewards"]),
         status=row["status"], consumed_step=row["consumed_step"], consumed_job=row["consumed_job"],
@@ -86,6 +88,7 @@ def traj_params(t: Trajectory, revision: int, updated_at: float) -> dict[str, An
         "rollout_logprobs": pack(t.rollout_logprobs, "<f8"), "weight_versions": pack(t.weight_versions, "<i8"),
         "routed_experts": None if t.routed_experts is None else t.routed_experts.pack(),
         "turns": json.dumps([x.model_dump() for x in t.turns]),
+        "images": json.dumps([s.model_dump() for s in t.images]) if t.images else None,
         "messages": json.dumps([m.model_dump(exclude_defaults=True) for m in t.messages]),
         "tools_digest": t.tools_digest, "reward": t.reward, "turn_rewards": json.dumps(t.turn_rewards),
         "status": t.status, "consumed_step": t.consumed_step, "metadata": json.dumps(t.metadata),

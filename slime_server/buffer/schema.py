@@ -105,11 +105,38 @@ class ToolCallRef(BaseModel):
     arguments: str
 
 
+class MessageImage(BaseModel):
+    """An image in a message: its content hash (sha256 of the image file's bytes) and the pad tokens it takes in the
+    served model's prompt. Its place in the message is the placeholder in ``content`` (gateway/images.py)."""
+
+    sha256: str
+    tokens: int
+
+
+class ImageSpan(BaseModel):
+    """An image in a trajectory's tokens: ``tokens[offset:offset + length]`` are its pads."""
+
+    sha256: str
+    offset: int
+    length: int
+
+
+class ImageBlob(BaseModel):
+    """An image file as the store keeps it: once per content hash, whatever sessions show it."""
+
+    sha256: str
+    mime: str
+    width: int
+    height: int
+    data: bytes
+
+
 class NormalizedMessage(BaseModel):
     """One chat message in the canonical shape shared by the renderer and the session matcher."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    images: list[MessageImage] = Field(default_factory=list)  # in the order of their placeholders in content
     reasoning_content: str | None = None
     tool_calls: list[ToolCallRef] = Field(default_factory=list)
     tool_call_id: str | None = None
@@ -167,6 +194,7 @@ class Trajectory(BaseModel):
     routed_experts: RoutedExperts | None = Field(None, description="an MoE model's routed experts of the first "
                                                  "positions (all but the last token), from the engines' answers")
     turns: list[Turn] = Field(default_factory=list)
+    images: list[ImageSpan] = Field(default_factory=list)  # a vision-language model's images among the tokens
     # Normalised conversation so far (last request's messages + the assistant message returned), and
     # a digest of the tools it was rendered with: what rule (b) of decision 3 compares against.
     messages: list[NormalizedMessage] = Field(default_factory=list)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from slime_server.buffer.schema import (
     Feedback,
+    ImageBlob,
     Session,
     SessionSummary,
     StoredResponse,
@@ -54,6 +55,8 @@ class TurnWrite(BaseModel):
     create_session: Session | None = Field(
         None, description="insert this session in the same transaction (a one-shot request without a session: "
                           "one fsync instead of two)")
+    images: list[ImageBlob] = Field(default_factory=list, description="image files the turn showed, kept once per "
+                                    "content hash (one already stored is not written again)")
 
 
 class TrajectoryStore(ABC):
@@ -99,6 +102,10 @@ class TrajectoryStore(ABC):
     @abstractmethod
     def write_turn(self, write: TurnWrite) -> list[Trajectory]:
         """Apply a turn atomically and durably; returns the trajectories as stored."""
+
+    @abstractmethod
+    def get_images(self, hashes: list[str]) -> dict[str, ImageBlob]:
+        """The stored image files among ``hashes`` (by content hash; those never stored are absent)."""
 
     @abstractmethod
     def find_by_response_id(self, response_id: str) -> list[tuple[Trajectory, int]]:

@@ -38,6 +38,7 @@ from slime_server.buffer.rows import (
 from slime_server.buffer.schema import (
     Feedback,
     IdempotencyConflict,
+    ImageBlob,
     ResponseNotFound,
     RewardEvent,
     Session,
@@ -61,14 +62,15 @@ from slime_server.buffer.store import DROPPED_STEP, TrajectoryStore, TurnWrite
 
 _INSERT_TRAJECTORY = (
     "INSERT INTO trajectories (id, session_id, segment, branch, group_id, n_tokens, tokens, loss_mask, "
-    "rollout_logprobs, weight_versions, routed_experts, turns, messages, tools_digest, reward, turn_rewards, status, "
-    "consumed_step, metadata, revision, created_at, updated_at) VALUES (:id, :session_id, :segment, :branch, "
-    ":group_id, :n_tokens, :tokens, :loss_mask, :rollout_logprobs, :weight_versions, :routed_experts, :turns, :messages, :tools_digest, :reward, "
+    "rollout_logprobs, weight_versions, routed_experts, images, turns, messages, tools_digest, reward, turn_rewards, "
+    "status, consumed_step, metadata, revision, created_at, updated_at) VALUES (:id, :session_id, :segment, :branch, "
+    ":group_id, :n_tokens, :tokens, :loss_mask, :rollout_logprobs, :weight_versions, :routed_experts, :images, :turns, "
+    ":messages, :tools_digest, :reward, "
     ":turn_rewards, :status, :consumed_step, :metadata, :revision, :created_at, :updated_at) ON CONFLICT DO NOTHING")
 _UPDATE_TRAJECTORY = (
     "UPDATE trajectories SET n_tokens = :n_tokens, tokens = :tokens, loss_mask = :loss_mask, "
     "rollout_logprobs = :rollout_logprobs, weight_versions = :weight_versions, routed_experts = :routed_experts, "
-    "turns = :turns, messages = :messages, "
+    "images = :images, turns = :turns, messages = :messages, "
     "tools_digest = :tools_digest, reward = :reward, turn_rewards = :turn_rewards, status = :status, "
     "metadata = :metadata, revision = :revision, updated_at = :updated_at "
     "WHERE id = :id AND session_id = :session_id AND revision = :old_revision AND status = 'open'")
@@ -233,6 +235,10 @@ class SQLTrajectoryStore(TrajectoryStore):
                 elif tx.execute(_UPDATE_TRAJECTORY, p).rowcount != 1:
                     raise StaleWriteError(f"trajectory {traj.id} changed since it was read")
                 stored.append(traj.model_copy(update={"revision": traj.revision + 1, "updated_at": t}))
+            for image in write.images:  # once per content hash, whoever sent it first
+                tx.execute("INSERT INTO images (sha256, mime, width, height, data, created_at) VALUES (?, ?, ?, ?, ?, ?) "
+                           "ON CONFLICT (sha256) DO NOTHING",
+                           (image.sha256, image.mime, image.width, image.height, image.data, t))
             for ref in write.responses:
                 tx.execute("INSERT INTO responses (response_id, choice, session_id, trajectory_id) VALUES (?, ?, ?, ?)",
                            (ref.response_id, ref.choice, write.session_id, ref.trajectory_id))
@@ -245,6 +251,20 @@ class SQLTrajectoryStore(TrajectoryStore):
                        (t, int(write.segment_split), int(write.close_session), write.session_id))
             return stored
         return self._db.write(run)
+
+    def get_images(self, hashes: list[str]) -> dict[str, ImageBlob]:
+        wanted = sorted(set(hashes))
+
+        def run(tx: Tx) -> dict[str, ImageBlob]:
+            out: dict[str, ImageBlob] = {}
+            for i in range(0, len(wanted), _CHUNK):
+                chunk = wanted[i:i + _CHUNK]
+                for row in tx.execute("SELECT sha256, mime, width, height, data FROM images WHERE sha256 IN "
+                                      f"{placeholders(len(chunk))}", chunk).fetchall():
+                    out[row["sha256"]] = ImageBlob(sha256=row["sha256"], mime=row["mime"], width=row["width"],
+                                                   height=row["height"], data=bytes(row["data"]))
+            return out
+        return self._db.read(run) if wanted else {}
 
     def find_by_response_id(self, response_id: str) -> list[tuple[Trajectory, int]]:
         columns = ", ".join("t." + c.strip() for c in TRAJ_COLUMNS.split(","))

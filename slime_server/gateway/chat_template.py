@@ -16,7 +16,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from slime_server.buffer.schema import NormalizedMessage, ToolCallRef
+from slime_server.buffer.schema import MessageImage, NormalizedMessage, ToolCallRef
+from slime_server.gateway.images import IMAGE_PLACEHOLDER, VisionSpec
 from slime_server.gateway.token_pieces import PieceEncoder, special_alternatives
 from slime_server.gateway.token_text import TokenBytes
 
@@ -43,8 +44,9 @@ class PrefixMismatchError(ChatTemplateError):
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def _content_text(content: Any, where: str) -> str:
-    """OpenAI ``content``: a string, null, or a list of parts of which only ``text`` parts are supported."""
+def _content_text(content: Any, where: str, images: list[MessageImage] | None = None) -> str:
+    """OpenAI ``content``: a string, null, or a list of text parts and canonical image parts (gateway/images.py:
+    each becomes the model's placeholder in the text and a ``MessageImage`` in ``images``)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -54,6 +56,10 @@ def _content_text(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if isinstance(part, str):
                 texts.append(part)
+                continue
+            if isinstance(part, dict) and part.get("type") == "image" and images is not None:
+                images.append(MessageImage(sha256=part["sha256"], tokens=part["tokens"]))
+                texts.append(IMAGE_PLACEHOLDER)
                 continue
             if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -94,8 +100,9 @@ def normalize_message(raw: Any, index: int = 0) -> NormalizedMessage:
         raise ChatTemplateError(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}")
     if role == "developer":
         role = "system"
-    content = _content_text(raw.get("content"), where)
-    msg = NormalizedMessage(role=role, content=content)
+    images: list[MessageImage] = []
+    content = _content_text(raw.get("content"), where, images if role in ("user", "tool") else None)
+    msg = NormalizedMessage(role=role, content=content, images=images)
     if role == "assistant":
         reasoning = raw.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
@@ -178,7 +185,8 @@ def tools_in_system_prompt(msgs: list[NormalizedMessage], tools: list[dict[str, 
             text = "\n".join([m.content, *blocks] if m.content else blocks)
             out.append(m.model_copy(update={"content": text, "tool_calls": []}))
         elif m.role == "tool":
-            out.append(NormalizedMessage(role="user", content=f"<tool_response>\n{m.content}\n</tool_response>"))
+            out.append(NormalizedMessage(role="user", content=f"<tool_response>\n{m.content}\n</tool_response>",
+                                         images=m.images))
         else:
             out.append(m)
     return out
@@ -221,6 +229,7 @@ class ChatRenderer:
         self.stop_token_ids: list[int] = sorted(stops)
         self.token_bytes = TokenBytes(self.tokenizer)  # each id's own bytes (logprobs, split characters)
         self.template_renders_tools = self._renders_tools()
+        self.vision = VisionSpec.of(tokenizer_path)  # a vision-language model's image rules (None: text only)
         self._pieces = PieceEncoder(self.tokenizer, special_ids, probes=self._probe_renderings())
 
     def _probe_renderings(self) -> list[str]:

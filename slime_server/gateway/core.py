@@ -6,6 +6,7 @@ the other (``app.py`` includes the routers; the routers depend on this and ``dep
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ class Gateway:
     feedback: Any = None  # slime_server.online.feedback.ImplicitFeedback with `serve --online`
     keys: KeyStore | None = None  # minted agent/admin keys
     inflight: InflightRegistry = field(default_factory=InflightRegistry)
+    stored_images: OrderedDict[str, None] = field(default_factory=OrderedDict)  # image hashes this gateway stored
     tool_parser: ToolCallParser = field(init=False)
     reasoning: ReasoningParser | None = field(init=False)
     pacer: Pacer = field(init=False)

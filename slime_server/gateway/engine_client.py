@@ -24,6 +24,7 @@ import pydantic_core
 from pydantic import ValidationError
 
 from slime_server.gateway.errors import APIError
+from slime_server.gateway.images import EngineImages
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.protocol import GenerateOutput
 from slime_server.utils.net import engine_limits
@@ -76,9 +77,16 @@ class EngineClient:
     def build_request(input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
                       top_logprobs_num: int = 0, rid: str | None = None, stream: bool = False,
                       lora_path: str | None = None, return_routed_experts: bool = False,
-                      routed_experts_start_len: int = 0) -> dict[str, Any]:
+                      routed_experts_start_len: int = 0, images: EngineImages | None = None) -> dict[str, Any]:
+        """SGLang's ``/generate`` body. ``images``: a vision-language prompt's (gateway/images.py): the ids go with
+        each image's pads collapsed to the one placeholder pad SGLang expands, the files as ``image_data``."""
+        image_data = None
+        if images is not None and images.spans:
+            input_ids, image_data = images.request(input_ids)
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
                                 "return_logprob": return_logprob, "stream": stream}
+        if image_data:
+            body["image_data"] = image_data
         if return_routed_experts:  # an MoE model's routes from position routed_experts_start_len (SGLang's fields)
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routed_experts_start_len

@@ -47,6 +47,23 @@ class TextContentPart(WireModel):
     text: str
 
 
+class ImageURL(WireModel):
+    url: str = Field(description="a data URL (data:image/png;base64,...); an http(s) URL only where the server "
+                     "fetches them (gateway.fetch_image_urls)")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted; the model's image processor "
+                                                          "decides the resolution")
+
+
+class ImageURLContentPart(WireModel):
+    """An image (vision-language models; user messages, and tool results through Responses and Messages)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]
+
+
 class FunctionCall(WireModel):
     name: str
     arguments: str = Field(description="JSON-encoded arguments, exactly as the model produced them")
@@ -62,17 +79,11 @@ class ChatMessage(WireModel):
     """One input message; ``role`` is checked here so an invalid role is a 400, not a template error."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
-
-    def text(self) -> str | None:
-        """Content as one string (text parts joined), as the chat template needs it."""
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content
 
 
 class FunctionDefinition(WireModel):

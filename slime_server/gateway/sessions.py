@@ -32,6 +32,8 @@ from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_valid
 
 from slime_server.buffer.routed_experts import RoutedExperts
 from slime_server.buffer.schema import (
+    ImageBlob,
+    ImageSpan,
     NormalizedMessage,
     Session,
     SessionClosedError,
@@ -47,6 +49,7 @@ from slime_server.gateway.chat_template import (
     PrefixMismatchError,
     normalize_message,
 )
+from slime_server.gateway.images import expand
 
 SEGMENT_SPLITS = Counter("slime_session_segment_splits_total",
                          "Requests that could not extend any earlier trajectory of their session")
@@ -127,10 +130,12 @@ class PreparedTurn(BaseModel):
     #                        the rest (SGLang's routed_experts_start_len)
     segment: int = 0
     prompt_ids: list[int]
+    images: list[ImageSpan] = Field(default_factory=list)  # a vision-language model's images among prompt_ids
     messages: list[NormalizedMessage]
     tools_digest: str | None = None
     n: int = 1
     _read: list[Trajectory] | None = PrivateAttr(default=None)  # the session's trajectories as prepare read them
+    _images: list[ImageBlob] = PrivateAttr(default_factory=list)  # image files to store with the turn (once each)
 
     @property
     def extends(self) -> str | None:
@@ -173,6 +178,8 @@ def same_message(ours: NormalizedMessage, theirs: NormalizedMessage) -> bool:
     ``reasoning_content`` (most SDKs do not send it back) do not count as edits."""
     if (ours.role, ours.content, ours.name) != (theirs.role, theirs.content, theirs.name):
         return False
+    if [i.sha256 for i in ours.images] != [i.sha256 for i in theirs.images]:
+        return False
     if theirs.reasoning_content is not None and theirs.reasoning_content != ours.reasoning_content:
         return False
     if len(ours.tool_calls) != len(theirs.tool_calls):
@@ -209,9 +216,10 @@ class SessionManager:
         msgs = self.renderer.normalize(messages)
         digest = tools_digest(tools)
         ids = self.renderer.render_ids(msgs, tools)  # outside the lock: tokenizing long prompts takes ms
+        ids, spans = self._expand(ids, msgs)
         if not session_id:
             return PreparedTurn(session_id=f"sess-{uuid.uuid4().hex}", ephemeral=True, mode="new", prompt_ids=ids,
-                                messages=msgs, tools_digest=digest, n=n, owner=owner)
+                                images=spans, messages=msgs, tools_digest=digest, n=n, owner=owner)
         with self._lock(session_id):
             session = self.store.get_or_create_session(session_id, owner=owner)
             if session.status != "open":
@@ -220,20 +228,29 @@ class SessionManager:
                     "finishes its session unless the reward says \"final\": false) or sat idle past "
                     "gateway.session_idle_timeout_s; start a new session for a new episode")
             trajectories = self.store.get_trajectories(session_id)
-            prepared = self._decide(trajectories, ids, msgs, tools,
+            prepared = self._decide(trajectories, ids, spans, msgs, tools,
                                     dict(session_id=session_id, messages=msgs, tools_digest=digest, n=n, owner=owner))
         prepared._read = trajectories  # what the commit starts from; its write checks they are still current
         return prepared
 
-    def _decide(self, trajectories: list[Trajectory], ids: list[int], msgs: list[NormalizedMessage],
-                tools: list[dict[str, Any]] | None, common: dict[str, Any]) -> PreparedTurn:
+    def _expand(self, ids: list[int], msgs: list[NormalizedMessage], offset: int = 0) -> tuple[list[int], list[ImageSpan]]:
+        """A vision-language model's rendered ids with each image's placeholder pad expanded (gateway/images.py), and
+        the images' spans; text-only: as they are."""
+        vision = getattr(self.renderer, "vision", None)
+        if vision is None:
+            return ids, []
+        ids, spans = expand(ids, vision.pad_id, [im for m in msgs for im in m.images], offset)
+        return ids, [ImageSpan(**s) for s in spans]
+
+    def _decide(self, trajectories: list[Trajectory], ids: list[int], spans: list[ImageSpan],
+                msgs: list[NormalizedMessage], tools: list[dict[str, Any]] | None, common: dict[str, Any]) -> PreparedTurn:
         """Decision 3's rules over the session's trajectories: merge, reuse, or a new segment."""
         open_ = sorted((t for t in trajectories if t.status == "open" and t.turns),
                        key=lambda t: (t.updated_at, t.segment, -t.branch), reverse=True)
         for t in open_:  # rule (a): the new prompt's ids extend the trajectory's ids
             if len(ids) > len(t.tokens) and ids[: len(t.tokens)] == t.tokens:
                 return PreparedTurn(mode="merge", base_trajectory_id=t.id, base_len=len(t.tokens),
-                                    segment=t.segment, prompt_ids=ids, routes_start=_held(t), **common)
+                                    segment=t.segment, prompt_ids=ids, images=spans, routes_start=_held(t), **common)
         for t in open_:  # rule (b): the messages extend the trajectory's messages
             if t.tools_digest != common["tools_digest"] or not extends_conversation(t.messages, msgs):
                 continue
@@ -243,11 +260,13 @@ class SessionManager:
             except PrefixMismatchError:
                 continue
             closing = [] if t.tokens[-1] in self.renderer.stop_token_ids else [self.renderer.eos_token_id]
+            suffix, added = self._expand(suffix, msgs[len(t.messages):], len(t.tokens) + len(closing))
             return PreparedTurn(mode="reuse", base_trajectory_id=t.id, base_len=len(t.tokens),
-                                segment=t.segment, prompt_ids=t.tokens + closing + suffix, routes_start=_held(t),
-                                **common)
+                                segment=t.segment, prompt_ids=t.tokens + closing + suffix, images=t.images + added,
+                                routes_start=_held(t), **common)
         segment = max((t.segment for t in trajectories), default=-1) + 1
-        return PreparedTurn(mode="split" if trajectories else "new", segment=segment, prompt_ids=ids, **common)
+        return PreparedTurn(mode="split" if trajectories else "new", segment=segment, prompt_ids=ids, images=spans,
+                            **common)
 
     # ---------------------------------------------------------------- commit
     def commit_turn(self, prepared: PreparedTurn, choices: list[ChoiceResult]) -> list[TurnRecord]:
@@ -301,7 +320,7 @@ class SessionManager:
         split = prepared.mode == "split"
         stored = self.store.write_turn(TurnWrite(session_id=prepared.session_id, trajectories=writes, responses=refs,
                                                  segment_split=split, close_session=prepared.ephemeral,
-                                                 create_session=new_session))
+                                                 create_session=new_session, images=prepared._images))
         if split:
             SEGMENT_SPLITS.inc()
         TURNS.labels(mode=prepared.mode).inc()
@@ -328,6 +347,7 @@ class SessionManager:
             traj.turn_rewards = list(base.turn_rewards[: len(turns)])
             traj.metadata = {"forked_from": base.id}
             traj.routed_experts = None if base.routed_experts is None else base.routed_experts.head(k)
+            traj.images = [s for s in base.images if s.offset + s.length <= k]
         return traj
 
     @staticmethod
@@ -348,6 +368,7 @@ class SessionManager:
         traj.tokens, traj.loss_mask, traj.rollout_logprobs, traj.weight_versions = tokens, mask, logprobs, versions
         traj.routed_experts = _joined_routes(traj.routed_experts, prepared.routes_start, choice.routed_experts)
         traj.turns = [*traj.turns, turn]
+        traj.images = list(prepared.images)  # the prompt's (its first base_len tokens are the trajectory's own)
         traj.turn_rewards = [*traj.turn_rewards, None]
         traj.messages = [*prepared.messages, assistant]
         traj.tools_digest = prepared.tools_digest

@@ -24,7 +24,9 @@ from pydantic import ValidationError
 from slime_server.gateway import constraints, recording, routes
 from slime_server.gateway.adapters import AdapterRoute
 from slime_server.gateway.core import Gateway
+from slime_server.gateway.engine_client import EngineError
 from slime_server.gateway.errors import APIError, bad_request
+from slime_server.gateway.images import EngineImages, ImageReader, TurnImages
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.protocol import (
     ChatCompletionRequest,
@@ -42,6 +44,7 @@ from slime_server.gateway.token_text import final_text, token_string
 from slime_server.rollout.protocol import GenerateOutput
 
 MIN_TOP_P = 1e-6  # smaller top_p values are sent as this (see sampling_params)
+STORED_IMAGES_REMEMBERED = 4096  # hashes of images this gateway stored, not sent to the store again
 
 
 # ----------------------------------------------------------------------------- validation
@@ -214,6 +217,17 @@ def outcome(out: GenerateOutput, index: int, message: ResponseMessage,
 # ----------------------------------------------------------------------------- request flow
 
 
+def check_image_tokens(prepared: Any, outs: list[GenerateOutput]) -> None:
+    """The engine expanded the prompt's images to as many pads as the gateway recorded (else the trajectory would not
+    be what the model saw: the engine's image-processor config differs from the one the gateway read)."""
+    ours = sum(s.length for s in prepared.images)
+    for o in outs:
+        theirs = o.meta_info.image_tokens
+        if ours and theirs is not None and theirs != ours:
+            raise EngineError(502, f"the engine expanded the prompt's images to {theirs} tokens, the gateway to {ours}: "
+                              "their image-processor configs differ", code="bad_engine_response")
+
+
 def is_side_turn(header: str | None, metadata: dict[str, str] | None) -> bool:
     """``X-Turn-Type: side`` (or ``metadata.turn_type``): a tool-internal or background call."""
     value = (header or (metadata or {}).get("turn_type") or "main").strip().lower()
@@ -243,6 +257,7 @@ class ChatTurn:
         self.parse_tools = bool(req.tools) and choice != "none"
         self.prepared: Any = None
         self.adapter = check_model(gw, req.model)  # the LoRA adapter (or alias) asked for (None: the base)
+        self.images = TurnImages()  # the request's image files (gateway/images.py)
         self.route: AdapterRoute | None = None  # where it goes on the engines (prepare)
 
     async def prepare(self, principal: Principal, header_session_id: str | None) -> dict[str, Any]:
@@ -255,11 +270,15 @@ class ChatTurn:
         # stream starts
         self.route = await gw.adapters.for_call(self.adapter, principal)
         await gw.admit(session_id, req.metadata)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        vision = getattr(gw.renderer, "vision", None)
+        reader = ImageReader(vision, gw.model_name, fetch_urls=gw.settings.fetch_image_urls,
+                             max_bytes=gw.settings.max_image_bytes, stored=gw.store.get_images)
+        messages = await reader.canonical([m.model_dump(exclude_none=True) for m in req.messages], self.images)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prefill_ids = gw.renderer.encode(self.prefill) if self.prefill else []
         self.prepared = await recording.prepare_turn(gw.sessions, session_id, messages, tools, req.n, prefill_ids,
                                                      owner=principal.session_owner)
+        self.prepared._images = [self.images.blobs[h] for h in self.images.new if h not in gw.stored_images]
         if gw.feedback is not None and not self.side:
             gw.feedback.on_turn_prepared(self.prepared, tools)
         prompt_ids = list(self.prepared.prompt_ids)
@@ -269,9 +288,13 @@ class ChatTurn:
             seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, ignore_eos=req.ignore_eos)
         params.update(self.constraint.grammar or {})
-        return {"input_ids": prompt_ids, "sampling_params": params,
+        call = {"input_ids": prompt_ids, "sampling_params": params,
                 "top_logprobs_num": (req.top_logprobs or 0) if req.logprobs else 0, "route": self.route,
                 **routes.request_fields(gw, self.prepared)}
+        if self.prepared.images:  # every image of the prompt, collapsed to SGLang's one pad each on the way out
+            spans = self.prepared.images
+            call["images"] = EngineImages(vision.pad_id, spans, self.images.data_urls([s.sha256 for s in spans]))
+        return call
 
     def usage(self, outs: list[GenerateOutput]) -> Usage:
         prompt = len(self.prepared.prompt_ids)
@@ -279,12 +302,16 @@ class ChatTurn:
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     async def record(self, outs: list[GenerateOutput], messages: list[ResponseMessage]) -> Usage:
+        check_image_tokens(self.prepared, outs)
         usage = self.usage(outs)
         adapter = self.route.name if self.route is not None else None  # the version that answered
         start, n_prompt = self.prepared.routes_start, len(self.prepared.prompt_ids)
         outcomes = [outcome(o, i, m, self.constraint.grammar, adapter, routes.answer_routes(self.gw, o, n_prompt, start))
                     for i, (o, m) in enumerate(zip(outs, messages, strict=True))]
         await recording.commit_turn(self.gw.sessions, self.prepared, outcomes, self.response_id, usage)
+        self.gw.stored_images.update((b.sha256, None) for b in self.prepared._images)
+        while len(self.gw.stored_images) > STORED_IMAGES_REMEMBERED:
+            self.gw.stored_images.popitem(last=False)
         return usage
 
     async def run(self, call: dict[str, Any]) -> TurnResult:
