@@ -54,6 +54,7 @@ class Gateway:
     keys: KeyStore | None = None  # minted agent/admin keys
     inflight: InflightRegistry = field(default_factory=InflightRegistry)
     stored_images: OrderedDict[str, None] = field(default_factory=OrderedDict)  # image hashes this gateway stored
+    checked_images: OrderedDict[str, tuple[str, int, int]] = field(default_factory=OrderedDict)  # gateway/images.py
     tool_parser: ToolCallParser = field(init=False)
     reasoning: ReasoningParser | None = field(init=False)
     pacer: Pacer = field(init=False)

@@ -21,6 +21,7 @@ import binascii
 import hashlib
 import io
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # Qwen2-VL / 
 IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp"}
 MAX_IMAGE_PIXELS = 64 * 2**20  # width x height, before the engine resizes it
 FETCH_TIMEOUT_S = 10.0
+CHECKED_REMEMBERED = 4096  # image files whose checks a gateway remembers by content hash
 
 
 class VisionSpec:
@@ -94,9 +96,12 @@ class ImageReader:
     """Turns a request's image parts into canonical parts, reading and checking each file once."""
 
     def __init__(self, spec: VisionSpec | None, model_name: str, *, fetch_urls: bool, max_bytes: int,
-                 stored: Any = None) -> None:
+                 stored: Any = None, checked: OrderedDict[str, tuple[str, int, int]] | None = None) -> None:
         self.spec, self.model_name, self.fetch_urls, self.max_bytes = spec, model_name, fetch_urls, max_bytes
         self.stored = stored  # store.get_images (sha256: references)
+        # files checked lately (hash -> mime, width, height): a conversation resends every earlier image each turn,
+        # and decoding each again cost ~7 ms a 1280x720 PNG, a turn (tools/bench_vision_session.py)
+        self.checked = checked if checked is not None else OrderedDict()
 
     async def canonical(self, messages: list[dict[str, Any]], images: TurnImages) -> list[dict[str, Any]]:
         """``messages`` with every ``image_url`` part read into ``images`` and replaced by a canonical part."""
@@ -180,6 +185,11 @@ class ImageReader:
         if len(data) > self.max_bytes:
             raise bad_request(f"{where}: the image is {len(data)} bytes; at most {self.max_bytes}", param=where,
                               code="image_too_large")
+        digest = hashlib.sha256(data).hexdigest()
+        known = self.checked.get(digest)
+        if known is not None:
+            self.checked.move_to_end(digest)
+            return ImageBlob(sha256=digest, mime=known[0], width=known[1], height=known[2], data=data)
         try:
             image = Image.open(io.BytesIO(data))
             kind = image.format
@@ -195,8 +205,10 @@ class ImageReader:
         except Exception as e:  # noqa: BLE001 - PIL raises many kinds for bytes that are no image
             raise bad_request(f"{where}: the data is not an image PIL can read ({type(e).__name__})", param=where,
                               code="invalid_image") from None
-        return ImageBlob(sha256=hashlib.sha256(data).hexdigest(), mime=IMAGE_FORMATS[kind], width=image.width,
-                         height=image.height, data=data)
+        self.checked[digest] = (IMAGE_FORMATS[kind], image.width, image.height)
+        while len(self.checked) > CHECKED_REMEMBERED:
+            self.checked.popitem(last=False)
+        return ImageBlob(sha256=digest, mime=IMAGE_FORMATS[kind], width=image.width, height=image.height, data=data)
 
 
 def by_reference(messages: list[dict[str, Any]], images: TurnImages) -> list[dict[str, Any]]:

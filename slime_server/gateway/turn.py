@@ -272,7 +272,8 @@ class ChatTurn:
         await gw.admit(session_id, req.metadata)
         vision = getattr(gw.renderer, "vision", None)
         reader = ImageReader(vision, gw.model_name, fetch_urls=gw.settings.fetch_image_urls,
-                             max_bytes=gw.settings.max_image_bytes, stored=gw.store.get_images)
+                             max_bytes=gw.settings.max_image_bytes, stored=gw.store.get_images,
+                             checked=gw.checked_images)
         messages = await reader.canonical([m.model_dump(exclude_none=True) for m in req.messages], self.images)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prefill_ids = gw.renderer.encode(self.prefill) if self.prefill else []
