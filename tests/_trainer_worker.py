@@ -33,7 +33,7 @@ def run(job: dict[str, Any], rendezvous: Any, port_file: str | None) -> None:
 
     job = {**RUN_DEFAULTS, **job}
     settings = TrainerRankSettings.model_validate_json(open(job["settings"]).read())
-    samples = [TrainSample.model_validate(s) for s in json.load(open(job["batch"]))]
+    samples = [TrainSample.model_validate_json(json.dumps(s)) for s in json.load(open(job["batch"]))]
     rank = TrainerRank(settings, rendezvous)
     if port_file:  # rank 0 binds the rendezvous first and says where (run_ranks)
         _, port = rank.open_rendezvous(rendezvous.world_size if rendezvous else 1)

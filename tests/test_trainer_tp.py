@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from slime_server.models.tiny_vl import ensure_tiny_vl_model
 from slime_server.trainer.packing import pack_samples
 from tests._engine_helpers import thread_affinities
 from tests._megatron_helpers import make_config, save_random_hf_model
@@ -52,6 +53,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     lora_kl = kl.model_copy(update={"lora": LoRASettings(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj",
                                                                                           "o_proj", "down_proj"])})
     users = settings.model_copy(update={"lora": LoRASettings(rank=4, alpha=8.0, adapters=3)})
+    # a vision-language model (issue 45): samples with images, the language model under mRoPE and the tower's embeddings
+    vl = settings.model_copy(update={"hf_path": str(ensure_tiny_vl_model())})
+    vl_samples = image_batch(ensure_tiny_vl_model())
     user_samples = [s.model_copy(update={"adapter": i % 3}) for i, s in enumerate(samples)]
     # name, world size, settings, extra keys of the run; grouped by world size, each group one set of rank processes
     runs: list[tuple[str, int, Any, dict[str, Any]]] = [
@@ -77,6 +81,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("users_tp1", 1, users, {"batch_samples": user_samples}),
         ("users_tp2", 2, users.model_copy(update={"tp_size": 2}), {"batch_samples": user_samples}),
         ("users_pp2", 2, users.model_copy(update={"pp_size": 2}), {"batch_samples": user_samples}),
+        ("vl_tp1", 1, vl, {"batch_samples": vl_samples}),
+        ("vl_tp2", 2, vl.model_copy(update={"tp_size": 2}), {"batch_samples": vl_samples}),
     ]
     for world in (1, 2, 4):
         jobs = []
@@ -96,6 +102,36 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+def image_batch(vl_path: Any) -> list[Any]:
+    """Four samples on the tiny VLM: text, an image's pads (1 or 2 images of 4 and 8 pads, as the processor counts
+    them), more text, then a response (mask 1) with advantages of both signs."""
+    import random
+
+    from transformers import AutoConfig
+
+    from slime_server.trainer.types import SampleImage, TrainSample
+    from tests.test_gateway_vision import PICS
+
+    cfg = AutoConfig.from_pretrained(str(vl_path))
+    pad, start, end = cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id
+    rng = random.Random(5)
+    out = []
+    for i in range(4):
+        tokens, images = [rng.randrange(1000) for _ in range(5)], []
+        for pic, length in [(PICS[0], 4), (PICS[1], 8)][: 1 + i % 2]:
+            tokens.append(start)
+            images.append(SampleImage(offset=len(tokens), length=length, sha256=f"{i}-{length}", data=pic))
+            tokens += [pad] * length + [end] + [rng.randrange(1000) for _ in range(3)]
+        prompt = len(tokens)
+        tokens += [rng.randrange(1000) for _ in range(6 + i)]
+        n = len(tokens)
+        out.append(TrainSample(tokens=tokens, loss_mask=[0] * prompt + [1] * (n - prompt),
+                               rollout_logprobs=[0.0] * prompt + [-2.0 - 0.1 * k for k in range(n - prompt)],
+                               weight_versions=[-1] * prompt + [0] * (n - prompt), reward=float(i % 2),
+                               advantages=[0.0] * prompt + [1.0 if i % 2 else -1.0] * (n - prompt), images=images))
+    return out
+
+
 def _series(run: dict, key: str) -> list[float]:
     return [m[key] for m in run["metrics"]]
 
@@ -107,18 +143,19 @@ def test_single_process_run_learns(runs: dict[str, dict]) -> None:
     assert len(set(logprob)) == STEPS and len(set(losses)) == STEPS, "the weights must change between steps"
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2", "pp2", "tied_pp2", "tp2pp2", "kl_pp2"])
+@pytest.mark.parametrize("name", ["tp2", "dp2", "pp2", "tied_pp2", "tp2pp2", "kl_pp2", "vl_tp2"])
 def test_parallel_run_matches_single_process(runs: dict[str, dict], name: str) -> None:
     """Issue 19: PP = 2 (Megatron's 1F1B schedule over gloo p2p, 3 micro-batches per step) gives PP = 1's loss,
-    grad norm, log-probs and updated weights, as TP = 2 and DP = 2 do; with tied embeddings too."""
-    ref, run = runs[{"tied_pp2": "tied_pp1", "kl_pp2": "kl_pp1"}.get(name, "tp1")], runs[name]
+    grad norm, log-probs and updated weights, as TP = 2 and DP = 2 do; with tied embeddings too; and (issue 45)
+    TP = 2 on a vision-language model's image samples."""
+    ref, run = runs[{"tied_pp2": "tied_pp1", "kl_pp2": "kl_pp1", "vl_tp2": "vl_tp1"}.get(name, "tp1")], runs[name]
     if name == "kl_pp2":  # the KL term is 0 on the first step (policy = reference), then part of the loss
         kl = _series(ref, "kl")
         assert kl[0] == pytest.approx(0.0, abs=1e-9) and kl[-1] > 0
         assert _series(run, "kl") == pytest.approx(kl, abs=1e-7, rel=1e-5)
     if name.endswith("pp2"):  # the same micro-batches, through the pipeline (and TP inside each stage)
         assert _series(run, "micro_batches") == _series(ref, "micro_batches") and _series(ref, "micro_batches")[0] > 1
-    assert run["layout"]["tp_size"] == (2 if name.startswith("tp2") else 1)
+    assert run["layout"]["tp_size"] == (2 if "tp2" in name else 1)
     assert run["layout"]["dp_size"] == (2 if name == "dp2" else 1)
     assert run["layout"]["pp_size"] == (2 if name.endswith("pp2") else 1)
     assert run["initial_logprob"] == pytest.approx(ref["initial_logprob"], abs=1e-3, rel=1e-6)

@@ -340,9 +340,16 @@ def read_hf_state_dict(hf_path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_checkpoint_into(model: nn.Module, hf_path: str | Path) -> None:
-    """Load an HF checkpoint directory into a GPTModel built by ``build_gpt_model``."""
+    """Load an HF checkpoint directory into a GPTModel built by ``build_gpt_model``; a vision-language checkpoint's
+    frozen vision tower beside it, as ``model.vision`` (trainer/vision.py; not a parameter of the model)."""
     inner = unwrap(model)
-    full = hf_to_megatron(read_hf_state_dict(hf_path), inner.arch, fused_norms=uses_fused_norms(inner))
+    state = read_hf_state_dict(hf_path)
+    if inner.arch.mrope_section is not None:
+        from slime_server.trainer.vision import TrainerVision  # loads transformers' vision modeling
+
+        state = {k: v for k, v in state.items() if not k.startswith("visual.")}
+        inner.vision = TrainerVision(str(hf_path), next(inner.parameters()).dtype)
+    full = hf_to_megatron(state, inner.arch, fused_norms=uses_fused_norms(inner))
     load_megatron_state_into(inner, full)
 
 

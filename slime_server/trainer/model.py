@@ -29,7 +29,8 @@ from slime_server.trainer.megatron_cpu import apply_cpu_patches, cuda_available
 if TYPE_CHECKING:
     from slime_server.trainer.packing import MicroBatch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl")
+VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)  # trained as their language model (Qwen2 with mRoPE), the vision tower frozen
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class ModelArch:
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
     moe_norm_topk: bool = False  # renormalise the top-k softmax weights to sum to 1 (Qwen3's norm_topk_prob)
+    # a vision-language model's mRoPE: the temporal, height and width sections of the rotary frequencies (None: RoPE)
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -86,6 +89,12 @@ def arch_from_hf_config(hf_config: Any, tp_size: int = 1) -> ModelArch:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; expected one of {SUPPORTED_MODEL_TYPES}")
+    mrope = None
+    if model_type in VISION_LANGUAGE_TYPES:  # the language model's config; its tied embeddings are the top config's
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        hf_config = hf_config.get_text_config()
+        hf_config.tie_word_embeddings = tied
+        mrope = tuple(int(x) for x in (getattr(hf_config, "rope_parameters", None) or {})["mrope_section"])
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (SwiGLU/silu only)")
     if getattr(hf_config, "mlp_bias", False) or getattr(hf_config, "attention_bias", False):
@@ -98,7 +107,7 @@ def arch_from_hf_config(hf_config: Any, tp_size: int = 1) -> ModelArch:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     if num_heads % tp_size or num_kv_heads % tp_size:
         raise ValueError(f"heads ({num_heads}) and kv heads ({num_kv_heads}) must divide by TP {tp_size}")
-    qkv_bias = model_type == "qwen2"
+    qkv_bias = model_type in ("qwen2", "qwen2_5_vl")
     vocab = hf_config.vocab_size
     moe = _moe_fields(hf_config) if model_type == "qwen3_moe" else {}
     return ModelArch(
@@ -108,7 +117,7 @@ def arch_from_hf_config(hf_config: Any, tp_size: int = 1) -> ModelArch:
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
         qk_norm=model_type in ("qwen3", "qwen3_moe"), rms_norm_eps=float(hf_config.rms_norm_eps),
         rope_theta=_rope(hf_config)[0], max_position_embeddings=hf_config.max_position_embeddings,
-        rope_llama3=_rope(hf_config)[1], **moe,
+        rope_llama3=_rope(hf_config)[1], mrope_section=mrope, **moe,
     )
 
 
@@ -170,15 +179,26 @@ class PositionIdsRotaryEmbedding(nn.Module):
     [s, b, 1, d] (one row per token), which Megatron's ``apply_rotary_pos_emb`` broadcasts.
     """
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, mrope_section: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.positions: torch.Tensor | None = None
+        self.mrope: torch.Tensor | None = None  # a vision-language row's mRoPE positions [3, b, s] (set per forward)
+        # mRoPE (HF's Qwen2.5-VL): rotary frequency j follows the temporal, height or width position by sections,
+        # the same for both halves of the head (Megatron's table is cat(freqs, freqs))
+        half = None if mrope_section is None else torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        self.axis = None if half is None else torch.cat((half, half))
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
         return self.inner.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len: int, **kwargs: Any) -> torch.Tensor:
+        if self.mrope is not None:
+            pos = self.mrope  # [3, b, s]
+            table = self.inner(int(pos.max()) + 1, **kwargs)[:, 0, 0, :]  # [max_pos, d]
+            per_axis = table[pos.transpose(1, 2)]  # [3, s, b, d]
+            axis = self.axis.to(pos.device).view(1, 1, 1, -1).expand(1, *per_axis.shape[1:])
+            return per_axis.gather(0, axis)[0].unsqueeze(2)  # [s, b, 1, d]
         if self.positions is None:
             return self.inner(max_seq_len, **kwargs)
         table = self.inner(int(self.positions.max()) + 1, **kwargs)[:, 0, 0, :]  # [max_pos, d]
@@ -239,7 +259,7 @@ def build_gpt_model(
         rope = model.rotary_pos_emb
         rope.inv_freq = rope._apply_scaling(rope.inv_freq, factor=factor, low_freq_factor=low,
                                             high_freq_factor=high, original_max_position_embeddings=original)
-    model.rotary_pos_emb = PositionIdsRotaryEmbedding(model.rotary_pos_emb)
+    model.rotary_pos_emb = PositionIdsRotaryEmbedding(model.rotary_pos_emb, arch.mrope_section)
     if arch.is_moe:
         routing_replay.install(model)
     model.arch = arch
@@ -299,7 +319,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def forward_logits(
     model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None, *, gather: bool = True,
+    attention_mask: torch.Tensor | None = None, *, gather: bool = True, images: Any = None,
 ) -> torch.Tensor:
     """Logits [b, s, vocab] of a GPTModel (plain or DDP-wrapped) for ``input_ids`` [b, s].
 
@@ -310,6 +330,8 @@ def forward_logits(
     returned (for vocab-parallel losses) with its padding columns set to the dtype minimum.
     On non-last pipeline stages the hidden states are returned unchanged. Calling the model
     directly ignores ``position_ids`` for RoPE (Megatron's dense path): packed rows need this.
+    ``images``: a vision-language row's ``trainer.vision.RowImages`` (mRoPE positions, and the image rows'
+    embeddings that replace those tokens' in the decoder's input).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -328,10 +350,15 @@ def forward_logits(
         attention_mask = build_attention_mask(position_ids, attention_mask)
     rope = inner.rotary_pos_emb
     rope.positions = position_ids
+    extra: dict[str, Any] = {}
+    if images is not None:
+        rope.mrope = images.positions.to(input_ids.device)
+        if inner.pre_process:
+            extra["decoder_input"] = images.decoder_input(inner, input_ids, position_ids)
     try:
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask)
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **extra)
     finally:
-        rope.positions = None
+        rope.positions = rope.mrope = None
     if not inner.post_process:
         return out
     if not gather:
@@ -351,6 +378,11 @@ def forward_micro_batch(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     inner = unwrap(model)
     if mb.route_rows is not None and inner.arch.is_moe:  # each row through its recorded experts (R3)
         replay = routing_replay.replaying(model, routing_replay.stage_routes(inner, mb.route_rows))
+    images = None
+    if mb.images is not None:  # a vision-language micro-batch (packed without a token tree)
+        if getattr(inner, "vision", None) is None:
+            raise ValueError("samples carry images but the model has no vision tower (not a vision-language checkpoint)")
+        images = inner.vision.row(mb.sample_lens, mb.images)
     with rows_through(rows), replay:  # a multi-adapter LoRA trainer: each row through its sample's adapter
         return forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
-                              None if mask is None else mask.to(device), gather=False)
+                              None if mask is None else mask.to(device), gather=False, images=images)

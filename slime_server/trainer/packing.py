@@ -47,6 +47,8 @@ class MicroBatch:
     # MoE routing replay: each forward row's recorded top-k experts per layer (long [R, layers, k]; -1: none
     # recorded, the router chooses), None: no sample carries routes
     route_rows: torch.Tensor | None = None
+    # a vision-language micro-batch: each sample's start in the packed row and its images (trainer/vision.py)
+    images: list[tuple[int, list[Any]]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +132,8 @@ def _pack(samples: Sequence[TrainSample], idx: list[int], weights: dict[Aggregat
         adapter_rows=torch.tensor([s.adapter for s in picked for _ in s.tokens], dtype=torch.long)
         if any(s.adapter for s in picked) else None,
         route_rows=_routes(picked, lens),
+        images=[(start, s.images) for s, start in zip(picked, cu[:-1].tolist(), strict=True)]
+        if any(s.images for s in picked) else None,
         **_grammar(picked, lens),
     )
 
@@ -195,6 +199,8 @@ def pack_samples(
     if any(not 0 <= i < len(samples) for i in chosen) or len(set(chosen)) != len(chosen):
         raise ValueError("subset must hold distinct indices into samples")
     weights = global_token_weights(samples)
+    if any(samples[i].images for i in chosen):  # image pads are one token id whatever the image: not shared (yet)
+        share_prefixes = False
     if share_prefixes and len({samples[i].tokens[0] for i in chosen}) < len(chosen):
         # a prefix is shared only where every position of it is the same token, under the same adapter (its hidden
         # states differ under another) and routed to the same experts (MoE routing replay: a prefix the engine

@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import logging
 
-from slime_server.buffer.schema import Trajectory
+from slime_server.buffer.schema import ImageBlob, Trajectory
 from slime_server.trainer.advantages import opd_advantages
 from slime_server.trainer.grammar_masks import GrammarMasker, GrammarReplayError
 from slime_server.trainer.settings import OPDWeights
-from slime_server.trainer.types import TrainSample
+from slime_server.trainer.types import SampleImage, TrainSample
 
 log = logging.getLogger(__name__)
 
 
-def to_train_sample(t: Trajectory, masker: GrammarMasker | None = None, routes: bool = False) -> TrainSample:
+def to_train_sample(t: Trajectory, masker: GrammarMasker | None = None, routes: bool = False,
+                    images: dict[str, ImageBlob] | None = None) -> TrainSample:
     """The trainer's sample of a stored trajectory. Turns decoded under a grammar are stored at loss mask 0; with
     a ``masker`` their masks are rebuilt and they train, scored under the same masks (trainer/grammar_masks.py).
-    ``routes``: carry its recorded MoE routes (routing replay)."""
+    ``routes``: carry its recorded MoE routes (routing replay). ``images``: the store's files of its images (a
+    vision-language trajectory's, by content hash)."""
     teacher = t.metadata.get("teacher_logprobs")  # online hints (online/feedback.py), aligned to tokens
     mask, positions, bitmask = t.loss_mask, None, None
     if masker is not None and any(turn.grammar for turn in t.turns):
@@ -36,6 +38,8 @@ def to_train_sample(t: Trajectory, masker: GrammarMasker | None = None, routes: 
                        reward=float(t.reward or 0.0), group_id=t.group_id, weight_versions=t.weight_versions,
                        sample_id=t.id, grammar_positions=positions, grammar_bitmask=bitmask,
                        routed_experts=t.routed_experts if routes else None,
+                       images=[SampleImage(offset=s.offset, length=s.length, sha256=s.sha256,
+                                           data=(images or {})[s.sha256].data) for s in t.images],
                        teacher_logprobs=teacher if isinstance(teacher, list) and len(teacher) == len(t.tokens)
                        else None)
 

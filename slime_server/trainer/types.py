@@ -8,9 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slime_server.buffer.routed_experts import RoutedExperts
+
+
+class SampleImage(BaseModel):
+    """An image of a vision-language sample: ``tokens[offset:offset + length]`` are its pads, ``data`` its file (the
+    store's one copy; the trainer's vision tower turns it into those positions' embeddings as the engine did)."""
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")  # JSON carries the file as base64
+    offset: int = Field(ge=0)
+    length: int = Field(ge=1)
+    sha256: str
+    data: bytes
 
 
 class TrainSample(BaseModel):
@@ -35,6 +46,8 @@ class TrainSample(BaseModel):
                                                  "(MoE routing replay; the rest route naturally)")
     adapter: int = Field(0, ge=0, description="which adapter of a multi-adapter LoRA trainer this sample goes "
                          "through and trains (one per user); 0 in a one-adapter or full trainer")
+    images: list[SampleImage] = Field(default_factory=list, description="a vision-language sample's images, in "
+                                      "token order")
 
     @model_validator(mode="after")
     def _aligned(self) -> TrainSample:
