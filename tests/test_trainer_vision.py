@@ -38,7 +38,8 @@ def vl_path() -> Path:
 
 @pytest.fixture(scope="module")
 def recorded(vl_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayProc, list[str]]]:
-    """Two sessions of three turns, an image in each user turn (one shared by both), sampled at temperature 1."""
+    """Two sessions of three turns, an image in each user turn (the first and last the same in both, the second of
+    the same size but another), sampled at temperature 1 with the turn's seed."""
     d = tmp_path_factory.mktemp("trainer_vision")
     with engine_and_router(vl_path, d) as url, running_gateway(url, vl_path, d / "db.sqlite", d / "gw.log") as gw:
         c = openai_client(gw)
@@ -46,7 +47,7 @@ def recorded(vl_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         for k in range(2):
             sid = new_session(gw)
             messages: list[dict] = []
-            for turn, pic in enumerate([PICS[0], png(90 + 10 * k, 64, 7 + k), PICS[2]]):
+            for turn, pic in enumerate([PICS[0], png(96, 64, 7 + k), PICS[2]]):
                 messages.append({"role": "user", "content": [
                     {"type": "text", "text": f"step {turn}"}, {"type": "image_url", "image_url": {"url": data_url(pic)}}]})
                 r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=turn,
@@ -80,8 +81,14 @@ def test_trainer_logprobs_on_recorded_image_sessions_equal_the_engines(recorded,
     with parallel_context(tp_size=1):
         model = build_gpt_model(AutoConfig.from_pretrained(str(vl_path))).eval()
         load_hf_checkpoint_into(model, vl_path)
-        (mb,) = pack_samples(samples, 4096, share_prefixes=True)  # both in one row (images: no token tree)
-        assert mb.tree is None and mb.images is not None
+        # both in one micro-batch, over their token tree: they share the first turn (its image and the answer
+        # sampled with the same seed) and part from each other at the second turn's image, another in each
+        (mb,) = pack_samples(samples, 4096, share_prefixes=True)
+        assert mb.images is not None and mb.tree is not None
+        first = samples[0].images[1].offset  # the second turn's image
+        pads = samples[0].images[1].length
+        assert samples[1].images[1].offset == first and samples[0].tokens[:first + pads] == samples[1].tokens[:first + pads]
+        assert mb.tree.num_rows == mb.num_tokens - first  # the same pad ids, another image: shared only up to it
         with torch.no_grad():
             lp, _ = packed_logprobs(model, mb)
             plain = mb.__class__(**{**mb.__dict__, "images": None})  # the same tokens without the images' inputs

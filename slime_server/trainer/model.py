@@ -379,10 +379,12 @@ def forward_micro_batch(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
     if mb.route_rows is not None and inner.arch.is_moe:  # each row through its recorded experts (R3)
         replay = routing_replay.replaying(model, routing_replay.stage_routes(inner, mb.route_rows))
     images = None
-    if mb.images is not None:  # a vision-language micro-batch (packed without a token tree)
+    if mb.images is not None:  # a vision-language micro-batch: its image inputs on the forward's rows
         if getattr(inner, "vision", None) is None:
             raise ValueError("samples carry images but the model has no vision tower (not a vision-language checkpoint)")
         images = inner.vision.row(mb.sample_lens, mb.images)
+        if mb.tree is not None:
+            images = images.on_rows(mb.tree.index, mb.tree.num_rows)
     with rows_through(rows), replay:  # a multi-adapter LoRA trainer: each row through its sample's adapter
         return forward_logits(model, tokens[None].to(device), position_ids[None].to(device),
                               None if mask is None else mask.to(device), gather=False, images=images)

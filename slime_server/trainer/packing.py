@@ -199,13 +199,12 @@ def pack_samples(
     if any(not 0 <= i < len(samples) for i in chosen) or len(set(chosen)) != len(chosen):
         raise ValueError("subset must hold distinct indices into samples")
     weights = global_token_weights(samples)
-    if any(samples[i].images for i in chosen):  # image pads are one token id whatever the image: not shared (yet)
-        share_prefixes = False
     if share_prefixes and len({samples[i].tokens[0] for i in chosen}) < len(chosen):
         # a prefix is shared only where every position of it is the same token, under the same adapter (its hidden
-        # states differ under another) and routed to the same experts (MoE routing replay: a prefix the engine
-        # computed again after a weight update may carry other routes); the trie is built over one key per
-        # distinct (routes, adapter, token) and each row's token and adapter read back from its key
+        # states differ under another), routed to the same experts (MoE routing replay: a prefix the engine
+        # computed again after a weight update may carry other routes) and, at an image's pads, showing the same
+        # image there (the pads are one token id whatever the image); the trie is built over one key per distinct
+        # (routes, adapter, token, image position) and each row's token and adapter read back from its key
         keyed, table = _trie_keys(samples, chosen)
         groups = partition_sharing([keyed[i] for i in chosen], max_tokens_per_micro_batch)
         mbs = [_pack(samples, [chosen[j] for j in g], weights) for g in groups]
@@ -226,21 +225,25 @@ def pack_samples(
 
 
 def _trie_keys(samples: Sequence[TrainSample], chosen: Sequence[int]) -> tuple[dict[int, list[int]], torch.Tensor]:
-    """Each chosen sample's positions as trie keys, one per distinct (routes, adapter, token) (routes: the
-    position's recorded expert ids, or none), and the table [keys, 2] of each key's (adapter, token)."""
-    ids: dict[tuple[int, int, int], int] = {}
+    """Each chosen sample's positions as trie keys, one per distinct (routes, adapter, token, image position)
+    (routes: the position's recorded expert ids, or none; image position: which image's which pad, or none), and
+    the table [keys, 2] of each key's (adapter, token)."""
+    ids: dict[tuple[int, int, int, int], int] = {}
     routes: dict[bytes, int] = {}
+    pads: dict[tuple[str, int], int] = {}
     keyed: dict[int, list[int]] = {}
     for i in chosen:
         s = samples[i]
         held = s.routed_experts.array() if s.routed_experts is not None else None
         n_held = 0 if held is None else min(len(held), len(s.tokens))
+        shown = {im.offset + j: pads.setdefault((im.sha256, j), len(pads) + 1)
+                 for im in s.images for j in range(im.length)}
         seq = []
         for t, token in enumerate(s.tokens):
             route = routes.setdefault(held[t].tobytes(), len(routes) + 1) if held is not None and t < n_held else 0
-            seq.append(ids.setdefault((route, s.adapter, token), len(ids)))
+            seq.append(ids.setdefault((route, s.adapter, token, shown.get(t, 0)), len(ids)))
         keyed[i] = seq
-    table = torch.tensor([(adapter, token) for _, adapter, token in ids], dtype=torch.long).reshape(-1, 2)
+    table = torch.tensor([(adapter, token) for _, adapter, token, _ in ids], dtype=torch.long).reshape(-1, 2)
     return keyed, table
 
 

@@ -31,6 +31,13 @@ class RowImages:
     rows: torch.Tensor  # long [K]: positions in the row holding image pads
     embeds: torch.Tensor  # [K, hidden]
 
+    def on_rows(self, index: torch.Tensor, num_rows: int) -> RowImages:
+        """The same inputs on a token tree's rows (``index``: each packed position's row; a shared row gets its
+        samples' identical values: the tree shares an image's pads only where the image and all before agree)."""
+        positions = self.positions.new_zeros((3, 1, num_rows))
+        positions[:, 0, index] = self.positions[:, 0, :]
+        return RowImages(positions, index[self.rows], self.embeds)
+
     def decoder_input(self, model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The decoder's input [s, 1, hidden]: the token embeddings, the image rows' replaced by the tower's."""
         emb = model.embedding(input_ids=input_ids, position_ids=position_ids).clone()
