@@ -316,3 +316,43 @@ def test_export_carries_each_trajectorys_images_in_slimes_field(vl_gateway: Gate
     assert [base64.b64decode(u.split(",", 1)[1]) for u in urls] == pics
     (traj,) = session_trajectories(vl_gateway, sid)
     assert sample.metadata["image_spans"] == traj["images"] and sample.tokens == traj["tokens"]
+
+
+def test_the_shapes_environment_shows_its_picture_through_a_tool(vl_gateway: GatewayProc) -> None:
+    """The visual environment: ``look`` returns the rendered picture (``ToolOutput``), the runner shows it in a user
+    turn after the tool results (Chat Completions' rule), and the session records it token-exactly; the reward reads
+    the answer against what was drawn."""
+    from PIL import Image
+
+    from slime_server.agents.runner import tool_images_message
+    from slime_server.envs.base import ToolOutput, get_environment
+
+    env = get_environment("shapes")
+    rows = env.default_dataset(40, seed=3)
+    assert {r.label for r in rows} == {"red", "green", "blue", "yellow"}
+    state = env.reset(rows[0])
+    out = env.step(state, "look", "{}")
+    assert isinstance(out, ToolOutput) and len(out.images) == 1
+    picture = Image.open(io.BytesIO(out.images[0])).convert("RGB")
+    colours = {c for c in picture.getdata() if min(c) < 200}  # the shape's pixels (the background is light)
+    from slime_server.envs.shapes import COLOURS
+
+    assert colours == {COLOURS[rows[0].label]}
+    assert env.step(state, "look", "{}").images == out.images  # the same picture every look
+    assert env.reward(state, f"It is <answer>{rows[0].label}</answer>.") == 1.0
+    assert env.reward(state, "<answer>purple</answer>") == 0.0 and env.reward(state, rows[0].label) == 0.0
+    c = openai_client(vl_gateway)
+    sid = new_session(vl_gateway)
+    first = c.chat.completions.create(model=MODEL, messages=state.messages, tools=state.tools, temperature=1.0,
+                                      max_tokens=FORCED["max_output_tokens"], extra_headers={"X-Session-ID": sid},
+                                      tool_choice={"type": "function", "function": {"name": "look"}})
+    (call,) = first.choices[0].message.tool_calls
+    messages = [*state.messages, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": out.text}, tool_images_message(out.images)]
+    c.chat.completions.create(model=MODEL, messages=messages, tools=state.tools, max_tokens=4, temperature=0,
+                              extra_headers={"X-Session-ID": sid})
+    (traj,) = session_trajectories(vl_gateway, sid)
+    import hashlib
+
+    assert len(traj["turns"]) == 2 and traj["turns"][1]["prompt_start"] == traj["turns"][0]["output_end"]
+    assert [s["sha256"] for s in traj["images"]] == [hashlib.sha256(out.images[0]).hexdigest()]

@@ -12,6 +12,7 @@ group incomplete.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import statistics
 import time
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 import httpx
 from pydantic import BaseModel, Field
 
-from slime_server.envs.base import DatasetRow, Environment
+from slime_server.envs.base import DatasetRow, Environment, ToolOutput
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,15 @@ async def _post(rest: httpx.AsyncClient, path: str, body: dict[str, Any], tries:
                 raise
         await asyncio.sleep(0.5 * 2 ** attempt)
     raise AssertionError("unreachable")
+
+
+def tool_images_message(images: list[bytes]) -> dict[str, Any]:
+    """The user turn that shows a vision-language model the images its tools returned (data URLs, in order)."""
+    parts: list[dict[str, Any]] = [{"type": "text", "text": "The tool returned:"}]
+    for data in images:
+        mime = "image/jpeg" if data[:3] == b"\xff\xd8\xff" else "image/png"
+        parts.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}})
+    return {"role": "user", "content": parts}
 
 
 class AgentRunner:
@@ -182,9 +192,14 @@ class AgentRunner:
                 if not msg.tool_calls:
                     final_text = msg.content or ""
                     break
+                shown: list[bytes] = []
                 for call in msg.tool_calls:
-                    state.messages.append({"role": "tool", "tool_call_id": call.id,
-                                           "content": self.env.step(state, call.function.name, call.function.arguments)})
+                    out = self.env.step(state, call.function.name, call.function.arguments)
+                    text, images = (out.text, out.images) if isinstance(out, ToolOutput) else (out, [])
+                    state.messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+                    shown += images
+                if shown:  # Chat Completions' tool messages hold text: the tools' images follow as a user turn
+                    state.messages.append(tool_images_message(shown))
             reward = self.env.reward(state, final_text)
         except EpisodeCut:
             reward, cut = 0.0, True

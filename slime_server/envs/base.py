@@ -25,6 +25,15 @@ class DatasetRow(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
+class ToolOutput(BaseModel):
+    """A tool's answer with images (a screenshot, a rendered chart): the text goes in the tool message, each image
+    (PNG or JPEG bytes) to a vision-language model beside it (the runner sends them in a user message after the tool
+    results, as OpenAI's Chat Completions carries a tool's images)."""
+
+    text: str
+    images: list[bytes] = Field(default_factory=list)
+
+
 class EpisodeState(BaseModel):
     """What an episode carries between steps (environments may keep more in ``scratch``)."""
 
@@ -53,10 +62,11 @@ class Environment(ABC):
         return EpisodeState(row=row, messages=messages, tools=self.tools())
 
     @abstractmethod
-    def call_tool(self, state: EpisodeState, name: str, arguments: dict[str, Any]) -> str:
-        """The tool's answer (text for the ``tool`` message); errors are answers too, never raises."""
+    def call_tool(self, state: EpisodeState, name: str, arguments: dict[str, Any]) -> str | ToolOutput:
+        """The tool's answer (text for the ``tool`` message, or a ``ToolOutput`` with images); errors are answers
+        too, never raises."""
 
-    def step(self, state: EpisodeState, name: str, arguments_json: str) -> str:
+    def step(self, state: EpisodeState, name: str, arguments_json: str) -> str | ToolOutput:
         """Parse arguments and dispatch; a malformed call gets an error message the model can read."""
         state.tool_calls += 1
         if name not in {t["function"]["name"] for t in state.tools}:
@@ -83,6 +93,7 @@ BUILTIN: dict[str, str] = {
     "search": "slime_server.envs.search:SearchEnv",
     "python": "slime_server.envs.python_env:PythonEnv",
     "mcp": "slime_server.envs.mcp:MCPEnvironment",  # needs command=[...]
+    "shapes": "slime_server.envs.shapes:ShapesEnv",  # a vision-language model's: look returns a picture
 }
 
 
