@@ -41,6 +41,7 @@ def test_hermes_two_calls_with_leading_content() -> None:
     "<tool_call>\n{not json}\n</tool_call>",
     '<tool_call>\n{"name": "x", "arguments": {}}',  # unterminated
     '<tool_call>\n["not", "an", "object"]\n</tool_call>',
+    '<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>',  # no name: no call (seen from a random tiny model)
 ])
 def test_hermes_non_calls_stay_content(text: str) -> None:
     r = HermesToolParser().parse(text)
@@ -93,7 +94,8 @@ def _chunks(text: str, cuts: list[int]) -> list[str]:
 
 TEXTS = [ONE, TWO, "Let me check.\n" + TWO, "plain answer with <tool_ and <tool_call without end",
          '<tool_call>\n{"name": "s", "arguments": {"q": "}{\\\\\\"", "k": [{}]}}\n</tool_call>',
-         "a < b and <tool_call>\n{bad}\n</tool_call> tail", "  \n" + ONE + "\n  "]
+         "a < b and <tool_call>\n{bad}\n</tool_call> tail", "  \n" + ONE + "\n  ",
+         '<tool_call>\n{"name": "", "arguments": {"a": 1}}\n</tool_call>']
 
 
 def test_hermes_arguments_stream_as_they_are_written() -> None:

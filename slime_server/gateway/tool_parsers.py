@@ -109,8 +109,8 @@ def _call_from_json(text: str, args_keys: tuple[str, ...] = ("arguments",)) -> P
         obj, end = json.JSONDecoder().raw_decode(text)
     except json.JSONDecodeError:
         return None
-    if end != len(text) or not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
+    if end != len(text) or not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None  # no call without a name (a tool call's name is never empty: it stays text)
     for key in args_keys:
         if key in obj:
             value = obj[key]
@@ -350,6 +350,8 @@ class StreamingToolParser:
             try:
                 name = json.loads(f'"{head.group(1)}"')
             except ValueError:
+                return []
+            if not name:  # as the whole-text parser: a call without a name is no call
                 return []
             call = ParsedCall(name, "")
             self._pending_ws = ""
