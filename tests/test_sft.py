@@ -80,3 +80,53 @@ def test_run_sft_lowers_the_nll_of_its_data_and_exports_a_loadable_checkpoint(ti
     assert after < before - 1.0, (before, after)
     assert json.loads((out / "slime_sft.json").read_text())["steps"] == 6
     assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
+
+
+@pytest.mark.timeout(300)
+def test_sft_on_conversations_with_images_trains_the_language_model_and_keeps_the_tower(tmp_path: Path) -> None:
+    """Issue 45: a conversation with an image (a tool's picture, shown in a user turn) becomes a sample whose image
+    pads are expanded as the engine expands them (mask 0) and which carries the picture; SFT on such samples writes
+    a vision-language checkpoint whose language model changed, whose vision tower is the base's, and which the engine
+    serves with images."""
+    import base64
+
+    from safetensors.torch import load_file
+
+    from slime_server.envs.shapes import ShapesEnv, render
+    from slime_server.gateway.images import VisionSpec
+    from slime_server.models.tiny_vl import ensure_tiny_vl_model
+    from slime_server.rollout.cpu_engine import CPUEngine
+    from slime_server.rollout.engine_config import EngineConfig
+    from slime_server.rollout.protocol import SamplingParams
+
+    base = ensure_tiny_vl_model()
+    tok, spec, env = AutoTokenizer.from_pretrained(base), VisionSpec(base), ShapesEnv()
+    samples = []
+    for row in env.default_dataset(6, seed=4):
+        picture = render(row.metadata["colour"], row.metadata["shape"], row.metadata["seed"])
+        call = {"id": "c", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+        conversation = [*env.reset(row).messages, {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "c", "content": "Here is the picture."},
+                        {"role": "user", "content": [{"type": "image", "image": picture}]},
+                        {"role": "assistant", "content": f"<answer>{row.label}</answer>"}]
+        samples.append(conversation_sample(tok, conversation, env.tools(), vision=spec))
+    s = samples[0]
+    (image,) = s.images
+    assert image.length == spec.tokens(112, 112) == 16 and image.data.startswith(b"\x89PNG")
+    pads = s.tokens[image.offset:image.offset + image.length]
+    assert pads == [spec.pad_id] * 16 and s.tokens.count(spec.pad_id) == 16
+    assert not any(s.loss_mask[image.offset:image.offset + image.length]) and sum(s.loss_mask) > 0
+    out = run_sft(base, samples, SFTSettings(steps=3, batch_size=3, lr=1e-3, warmup_steps=0), tmp_path / "sft")
+    before, after = load_file(str(base / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("visual."))
+    assert not torch.equal(before["model.layers.0.mlp.up_proj.weight"], after["model.layers.0.mlp.up_proj.weight"])
+    engine = CPUEngine(EngineConfig(model_path=str(out), num_threads=1))
+    try:
+        prompt = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False,
+                                         add_generation_prompt=True)
+        ids, mm = engine.prepare_images(tok(prompt, add_special_tokens=False)["input_ids"],
+                                        ["data:image/png;base64," + base64.b64encode(image.data).decode()])
+        assert engine.generate(ids, SamplingParams(max_new_tokens=2), images=mm)[0].meta_info.image_tokens == 16
+    finally:
+        engine.shutdown()

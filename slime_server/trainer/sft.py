@@ -39,11 +39,14 @@ class SFTSettings(BaseModel):
 
 
 def conversation_sample(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                        *, trained_from: int | None = None) -> TrainSample:
+                        *, trained_from: int | None = None, vision: Any = None) -> TrainSample:
     """Tokens of a whole conversation with loss on the assistant messages at index >= ``trained_from``.
 
     Rendered incrementally (prefix, then each next message) and checked to be prefix-stable, which
     is what the gateway relies on too; a template that rewrites earlier turns raises ValueError.
+    A vision-language model's conversation (``vision``: the gateway's ``VisionSpec``) may hold image parts,
+    ``{"type": "image", "image": <PNG or JPEG bytes>}``: each placeholder's pad is expanded as the engine expands it
+    and the sample carries the images (``TrainSample.images``).
     """
     start = trained_from if trained_from is not None else next(
         (i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
@@ -70,8 +73,65 @@ def conversation_sample(tokenizer: Any, messages: Sequence[dict[str, Any]], tool
             mask += [0] * len(added)
         ids = new
     mask[0] = 0
+    images = [p["image"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]
+              if isinstance(p, dict) and p.get("type") == "image"]
+    shown = []
+    if images:
+        ids, mask, shown = _expanded(ids, mask, images, vision)
     return TrainSample(tokens=ids, loss_mask=mask, rollout_logprobs=[0.0] * len(ids),
-                       weight_versions=[-1] * len(ids))
+                       weight_versions=[-1] * len(ids), images=shown)
+
+
+def _expanded(ids: list[int], mask: list[int], images: list[bytes], vision: Any) -> tuple[list[int], list[int], list[Any]]:
+    """A conversation's ids with each image's one pad expanded to its count (mask 0), and its ``SampleImage``s."""
+    import hashlib
+    import io
+
+    from PIL import Image
+
+    from slime_server.trainer.types import SampleImage
+
+    if vision is None:
+        raise ValueError("a conversation with images needs the vision-language model's VisionSpec")
+    out_ids: list[int] = []
+    out_mask: list[int] = []
+    shown = []
+    k = 0
+    for t, m in zip(ids, mask, strict=True):
+        if t != vision.pad_id:
+            out_ids.append(t)
+            out_mask.append(m)
+            continue
+        with Image.open(io.BytesIO(images[k])) as img:
+            n = vision.tokens(img.width, img.height)
+        shown.append(SampleImage(offset=len(out_ids), length=n, sha256=hashlib.sha256(images[k]).hexdigest(),
+                                 data=images[k]))
+        out_ids += [t] * n
+        out_mask += [0] * n
+        k += 1
+    if k != len(images):
+        raise ValueError(f"the rendered conversation holds {k} image placeholders for {len(images)} images")
+    return out_ids, out_mask, shown
+
+
+def _export_vision_language(base: Path, trained: dict[str, Any], out: Path) -> None:
+    """The base checkpoint's files with the trained language model's tensors in place (the vision tower as it was;
+    the names are the checkpoint's, which the trainer's export already uses)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, Any] = {}
+    for f in sorted(base.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    unknown = sorted(set(trained) - set(tensors) - {"lm_head.weight"})
+    if unknown:
+        raise RuntimeError(f"SFT export does not match the model: unexpected {unknown[:5]}")
+    for name, t in trained.items():
+        if name in tensors:
+            tensors[name] = t.to(tensors[name].dtype).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in base.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
 
 
 def run_sft(hf_path: str | Path, samples: Sequence[TrainSample], settings: SFTSettings, out_dir: str | Path,
@@ -118,6 +178,10 @@ def run_sft(hf_path: str | Path, samples: Sequence[TrainSample], settings: SFTSe
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if (Path(hf_path) / "preprocessor_config.json").is_file():  # a vision-language checkpoint: its tower kept
+        _export_vision_language(Path(hf_path), state, out)
+        (out / "slime_sft.json").write_text(json.dumps({"base": str(hf_path), **settings.model_dump()}, indent=2))
+        return out
     model = AutoModelForCausalLM.from_pretrained(hf_path, torch_dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
