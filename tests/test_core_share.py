@@ -108,7 +108,9 @@ def test_serve_gives_the_engine_every_core_then_half_while_a_job_trains(tiny_mod
                 "data": {"source": "dataset", "environment": "calculator", "num_prompts": 64, "concurrency": 4,
                          "max_tokens": 24},
                 "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": None, "poll_interval_s": 0.05,
-                         "checkpoint_interval": 100, "max_steps": 3}}
+                         "checkpoint_interval": 100, "max_steps": 3},
+                # the smallest buffer a dataset job takes: no episodes nobody trains on while the ranks start
+                "pacing": {"max_buffered": 8, "retry_after_s": 0.25}}
         with admin(server) as c:
             r = c.post("/jobs", json=spec)
             assert r.status_code == 200, r.text

@@ -32,7 +32,7 @@ from tests._gateway_helpers import MODEL, start_gateway, stop_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 CURRENT = "7"  # the version the serving engines are on; a restarted engine comes back on "0"
-STORY_TOKENS = 3000  # ~10 s of one stream on the tiny model: still streaming at the kill, 3 s in
+STORY_TOKENS = 1500  # several seconds of one stream on the tiny model: still streaming at the kill, ~1 s in
 
 
 def _served_version(url: str) -> str | None:
@@ -75,6 +75,13 @@ def _running(engine_url: str) -> int:
 def _metric(gateway_url: str, name: str) -> float:
     text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _wait_until(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 def _join_while_progressing(thread: threading.Thread, progress, stall_s: float = 30.0) -> None:
@@ -136,7 +143,8 @@ def test_kill_9_engine_under_load(tiny_model_path: Path, tmp_path: Path) -> None
                        for r in results]
             for c in clients:
                 c.start()
-            time.sleep(3.0)
+            # under load: every client has had answers and has its next request in flight (was a fixed 3 s)
+            _wait_until(lambda: all(len(r) >= 2 for r in results), "the clients' first answers")
             victim_pid = actors[v].pid()
             killed_at = time.monotonic()
             os.kill(victim_pid, signal.SIGKILL)
@@ -148,7 +156,10 @@ def test_kill_9_engine_under_load(tiny_model_path: Path, tmp_path: Path) -> None
                 time.sleep(0.05)
             readmitted_at = time.monotonic()
             caught_up_at = caught_up_at or readmitted_at
-            time.sleep(3.0)  # traffic over both engines again
+            # traffic over both engines again: answers to requests sent after the readmission, and as many
+            # answers in all as the count below asks (was a fixed 3 s)
+            _wait_until(lambda: sum(1 for r in results for (t0, _, _) in r if t0 > readmitted_at) >= 4
+                        and sum(map(len, results)) >= 20, "answers after the readmission")
             stop.set()
             # each client ends its request in flight; the stream its remaining tokens, as fast as this machine
             # makes them: a client that stops making progress is hung, one that is slow is not
@@ -185,7 +196,8 @@ def test_kill_9_engine_under_load(tiny_model_path: Path, tmp_path: Path) -> None
             print(f"{len(outcomes)} requests, {len(failures)} failed: {sorted(set(failures))}; {len(in_flight)} in "
                   f"flight at the kill, answered in {[round(t1 - killed_at, 2) for _, t1, _ in in_flight]} s; "
                   f"router: {victim_failures:.0f} calls failed on the killed engine, {router_retries:.0f} retried; gateway: "
-                  f"{retries:.0f} retries; caught up {caught_up_at - killed_at:.1f} s after the kill")
+                  f"{retries:.0f} retries; caught up {caught_up_at - killed_at:.1f} s after the kill; the story streamed "
+                  f"until {streamed_until[0] - killed_at:.1f} s after it")
             assert failures == []  # the gateway sent again what the dead engine had: no client saw an error
             assert outcomes.count("ok") >= 20 and after
             # the requests running at the kill completed, and before the restarted engine had the current

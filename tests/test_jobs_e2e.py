@@ -40,6 +40,12 @@ from tests._jobs_helpers import (
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
+# The dataset jobs' episode drivers: the smallest buffer a dataset job accepts (batch_size + concurrency, JobSpec's
+# deadlock rule). With the default (256) the driver played ~80 episodes nobody trains on while the ranks started,
+# and took the CPU from them (trainer_ready 17 s instead of 4); paced, it waits out the 429 as the runner does.
+PACED = {"max_buffered": 8, "retry_after_s": 0.25}
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     with running_stack(tiny_model_path, tmp_path_factory.mktemp("jobs"), engines=2, ray={"num_cpus": 4}) as running:
@@ -309,7 +315,7 @@ def test_dataset_job_plays_environment_episodes_in_groups(server: Any, tmp_path:
             "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": None, "poll_interval_s": 0.05,
                      "checkpoint_interval": 100},
             "eval": [{"name": "calc-heldout", "environment": "calculator", "num_prompts": 4, "every_steps": 2,
-                      "max_tokens": 24}]}
+                      "max_tokens": 24}], "pacing": PACED}
     with admin(server) as c:
         r = c.post("/jobs", json={**body, "data": {**body["data"], "environment": "no-such-env"}})
         assert r.status_code == 400 and "no-such-env" in r.json()["error"]["message"]
@@ -364,7 +370,7 @@ def test_train_command_follows_a_job_to_its_end_and_exits_with_its_outcome(serve
             "data": {"source": "dataset", "environment": "calculator", "num_prompts": 8, "concurrency": 4,
                      "max_tokens": 24},
             "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": None, "poll_interval_s": 0.05,
-                     "checkpoint_interval": 100}}
+                     "checkpoint_interval": 100}, "pacing": PACED}
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(spec))
     cli = [sys.executable, "-m", "slime_server.cli"]
@@ -399,7 +405,7 @@ def test_last_evaluation_due_during_another_reports_before_completed(server: Any
             "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_steps": 2, "max_staleness": None,
                      "poll_interval_s": 0.05, "checkpoint_interval": 100},
             "eval": [{"name": "gated", "environment": "tests._gated_env:GatedCalculator", "num_prompts": 2,
-                      "every_steps": 1, "max_tokens": 16}]}
+                      "every_steps": 1, "max_tokens": 16}], "pacing": PACED}
     try:
         with admin(server) as c:
             j = c.post("/jobs", json=body).raise_for_status().json()
@@ -433,7 +439,7 @@ def test_cancel_cuts_an_evaluation_round(server: Any) -> None:
             "data": {"source": "dataset", "environment": "calculator", "num_prompts": 8, "concurrency": 4,
                      "max_tokens": 16},
             "eval": [{"name": "gated", "environment": "tests._gated_env:GatedCalculator", "num_prompts": 4,
-                      "every_steps": 1, "max_tokens": 16, "concurrency": 4}]}
+                      "every_steps": 1, "max_tokens": 16, "concurrency": 4}], "pacing": PACED}
     try:
         with admin(server) as c:
             j = c.post("/jobs", json=body).raise_for_status().json()

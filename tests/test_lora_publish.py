@@ -76,7 +76,10 @@ def test_a_lora_job_publishes_versions_beside_the_base(server: Any) -> None:
             "loop": {"batch_size": 4, "n_samples_per_prompt": 2, "max_staleness": None, "poll_interval_s": 0.05,
                      "checkpoint_interval": 100},
             "eval": [{"name": "held-out", "environment": "calculator", "num_prompts": 2, "every_steps": 2,
-                      "max_tokens": 16}]}
+                      "max_tokens": 16}],
+            # the smallest buffer a dataset job takes: the driver does not play episodes nobody trains on while
+            # the ranks start (and take their CPU)
+            "pacing": {"max_buffered": 8, "retry_after_s": 0.25}}
     with admin(server) as c:  # what the engines cannot serve is refused before anything starts
         r = c.post("/jobs", json={**body, "lora": {"rank": 32, "name": ALIAS}})
         assert r.status_code == 400 and "max_lora_rank 16" in r.json()["error"]["message"], r.text
