@@ -106,6 +106,27 @@ class StoreContract:
             Trajectory(session_id="moe", tokens=[1], loss_mask=[0], rollout_logprobs=[0.0], weight_versions=[-1],
                        routed_experts=RoutedExperts.of(np.zeros((2, 4, 2), dtype=int)))
 
+    def test_images_are_stored_once_and_trajectories_keep_their_spans(self, store: TrajectoryStore) -> None:
+        """Issue 45: a turn's image files are written in its transaction, once per content hash (a second turn
+        sending one again changes nothing), read back byte for byte; a trajectory's image spans round-trip; a
+        trajectory without images reads none."""
+        from slime_server.buffer.schema import ImageBlob, ImageSpan
+
+        store.create_session("img")
+        a = ImageBlob(sha256="a" * 64, mime="image/png", width=56, height=56, data=b"\x89PNG\x00\xff" * 9)
+        b = ImageBlob(sha256="b" * 64, mime="image/jpeg", width=100, height=60, data=bytes(range(256)))
+        traj = _traj("img", [-0.5, -0.25]).model_copy(update={"images": [ImageSpan(sha256=a.sha256, offset=1, length=2)]})
+        [stored] = store.write_turn(TurnWrite(session_id="img", trajectories=[traj], images=[a, b]))
+        assert store.get_trajectory(stored.id).images == traj.images
+        again = a.model_copy(update={"data": b"other bytes under the same hash"})  # never overwrites
+        store.write_turn(TurnWrite(session_id="img", trajectories=[_traj("img", [-1.0], segment=1)], images=[again]))
+        got = store.get_images([a.sha256, b.sha256, "c" * 64])
+        assert got.keys() == {a.sha256, b.sha256} and got[a.sha256] == a and got[b.sha256] == b
+        assert store.get_images([]) == {}
+        plain = [t for t in store.get_trajectories("img") if t.segment == 1]
+        assert plain[0].images == []
+
+
     def test_heads_list_what_the_trajectories_list_and_ids_fetch_them_whole(self, store: TrajectoryStore) -> None:
         """The loop chooses a batch from heads (generating versions read from the stored bytes) and then reads
         the chosen whole: both must say what reading every trajectory whole says."""
