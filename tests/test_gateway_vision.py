@@ -54,6 +54,7 @@ def vl_gateway(vl_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     # no free whitespace inside a forced call's JSON: the random tiny model would fill its budget with spaces
     with engine_and_router(vl_path, d, {"constrained_json_disable_any_whitespace": True}) as url, running_gateway(
             url, vl_path, d / "db.sqlite", d / "gateway.log", settings={"max_image_bytes": MAX_IMAGE_BYTES}) as gw:
+        gw.router_url = url  # type: ignore[attr-defined]
         yield gw
 
 
@@ -356,3 +357,37 @@ def test_the_shapes_environment_shows_its_picture_through_a_tool(vl_gateway: Gat
 
     assert len(traj["turns"]) == 2 and traj["turns"][1]["prompt_start"] == traj["turns"][0]["output_end"]
     assert [s["sha256"] for s in traj["images"]] == [hashlib.sha256(out.images[0]).hexdigest()]
+
+
+def test_a_remote_image_url_is_fetched_only_where_the_operator_allows_it(vl_gateway: GatewayProc, vl_path: Path,
+                                                                          tmp_path: Path) -> None:
+    """``gateway.fetch_image_urls``: on, an http URL is fetched (a real local HTTP server) and recorded like an inline
+    image, once by hash; a missing file is a 400 naming it; off (the module's gateway), the same URL is a 400."""
+    import hashlib
+    import threading
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    (tmp_path / "cat.png").write_bytes(PICS[1])
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+    try:
+        off = httpx.post(f"{vl_gateway.base_url}/chat/completions", json=body, timeout=60)
+        assert off.status_code == 400 and "does not fetch image URLs" in off.json()["error"]["message"]
+        with running_gateway(vl_gateway.router_url, vl_path, tmp_path / "db.sqlite", tmp_path / "gw.log",
+                             settings={"fetch_image_urls": True}) as gw:
+            sid = new_session(gw)
+            r = httpx.post(f"{gw.base_url}/chat/completions", json=body, headers={"X-Session-ID": sid}, timeout=60)
+            assert r.status_code == 200, r.text
+            (traj,) = session_trajectories(gw, sid)
+            assert [s["sha256"] for s in traj["images"]] == [hashlib.sha256(PICS[1]).hexdigest()]
+            assert stored_images(gw) == {hashlib.sha256(PICS[1]).hexdigest(): len(PICS[1])}
+            missing = {**body, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url.replace("cat", "dog")}}]}]}
+            r = httpx.post(f"{gw.base_url}/chat/completions", json=missing, timeout=60)
+            assert r.status_code == 400 and "HTTP 404" in r.json()["error"]["message"], r.text
+    finally:
+        server.shutdown()

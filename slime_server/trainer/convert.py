@@ -39,6 +39,7 @@ from slime_server.trainer.lora import (
     part_sizes,
 )
 from slime_server.trainer.model import ModelArch, unwrap
+from slime_server.trainer.vision import TrainerVision
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -345,8 +346,6 @@ def load_hf_checkpoint_into(model: nn.Module, hf_path: str | Path) -> None:
     inner = unwrap(model)
     state = read_hf_state_dict(hf_path)
     if inner.arch.mrope_section is not None:
-        from slime_server.trainer.vision import TrainerVision  # loads transformers' vision modeling
-
         state = {k: v for k, v in state.items() if not k.startswith("visual.")}
         inner.vision = TrainerVision(str(hf_path), next(inner.parameters()).dtype)
     full = hf_to_megatron(state, inner.arch, fused_norms=uses_fused_norms(inner))

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from slime_server.trainer.settings import LossConfig, OptimizerSettings
-from slime_server.trainer.types import TrainSample
+from slime_server.trainer.types import SampleImage, TrainSample
 from slime_server.utils.net import find_free_port
 
 
@@ -88,8 +88,6 @@ def _expanded(ids: list[int], mask: list[int], images: list[bytes], vision: Any)
     import io
 
     from PIL import Image
-
-    from slime_server.trainer.types import SampleImage
 
     if vision is None:
         raise ValueError("a conversation with images needs the vision-language model's VisionSpec")
