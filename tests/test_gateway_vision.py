@@ -42,13 +42,6 @@ FORCED = {"temperature": 1.0, "max_output_tokens": 200}
 
 
 @pytest.fixture(scope="module")
-def vl_path() -> Path:
-    from slime_server.models.tiny_vl import ensure_tiny_vl_model
-
-    return ensure_tiny_vl_model()
-
-
-@pytest.fixture(scope="module")
 def vl_gateway(vl_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
     d = tmp_path_factory.mktemp("vl_gateway")
     # no free whitespace inside a forced call's JSON: the random tiny model would fill its budget with spaces
@@ -94,7 +87,9 @@ def check_session(gw: GatewayProc, sid: str, pics: list[bytes], constrained: set
         assert turn["prompt_start"] == prev["output_end"]  # the next prompt extends the last turn's tokens
     generated = [i for k, t in enumerate(turns) if k not in constrained for i in range(t["output_start"], t["output_end"])]
     assert [i for i, m in enumerate(traj["loss_mask"]) if m] == generated
-    pad = AutoConfig.from_pretrained(gw_model_path(gw)).image_token_id
+    from slime_server.models.tiny_vl import ensure_tiny_vl_model
+
+    pad = AutoConfig.from_pretrained(ensure_tiny_vl_model()).image_token_id
     assert [s["sha256"] for s in traj["images"]] == [hashlib.sha256(p).hexdigest() for p in pics]
     for s in traj["images"]:
         assert traj["tokens"][s["offset"]:s["offset"] + s["length"]] == [pad] * s["length"]
@@ -104,12 +99,6 @@ def check_session(gw: GatewayProc, sid: str, pics: list[bytes], constrained: set
     for p in pics:
         assert stored[hashlib.sha256(p).hexdigest()] == len(p)
     return traj
-
-
-def gw_model_path(gw: GatewayProc) -> Path:
-    from slime_server.models.tiny_vl import ensure_tiny_vl_model
-
-    return ensure_tiny_vl_model()
 
 
 @pytest.mark.parametrize("stream", [False, True])

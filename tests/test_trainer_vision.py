@@ -30,13 +30,6 @@ pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def vl_path() -> Path:
-    from slime_server.models.tiny_vl import ensure_tiny_vl_model
-
-    return ensure_tiny_vl_model()
-
-
-@pytest.fixture(scope="module")
 def recorded(vl_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayProc, list[str]]]:
     """Two sessions of three turns, an image in each user turn (the first and last the same in both, the second of
     the same size but another), sampled at temperature 1 with the turn's seed."""

@@ -24,7 +24,7 @@ from slime_server.api.anthropic_protocol import (
 )
 from slime_server.api.deps import get_gateway, get_principal
 from slime_server.gateway.core import Gateway
-from slime_server.gateway.images import ImageReader, TurnImages
+from slime_server.gateway.images import TurnImages, image_reader
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.recording import call_store
 from slime_server.gateway.threads import in_thread
@@ -69,9 +69,7 @@ async def count_tokens(req: CountTokensRequest, gw: GW, _: Caller) -> CountToken
     if vision is None:
         am.refuse_images(req.messages)
     messages = am.system_messages(req.system) + am.chat_messages(req.messages)
-    reader = ImageReader(vision, gw.model_name, fetch_urls=gw.settings.fetch_image_urls,
-                         max_bytes=gw.settings.max_image_bytes)
-    messages = await reader.canonical(messages, TurnImages())
+    messages = await image_reader(gw).canonical(messages, TurnImages())
     tools = am.chat_tools(req.tools)
     ids = await in_thread(call_store, gw.renderer.render_ids, messages, tools)
     # each image renders as one pad; the engine sees it expanded

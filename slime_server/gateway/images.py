@@ -211,6 +211,12 @@ class ImageReader:
         return ImageBlob(sha256=digest, mime=IMAGE_FORMATS[kind], width=image.width, height=image.height, data=data)
 
 
+def image_reader(gw: Any) -> ImageReader:
+    """The gateway's reader: its model's vision spec, its settings, its store and its memory of checked files."""
+    return ImageReader(getattr(gw.renderer, "vision", None), gw.model_name, fetch_urls=gw.settings.fetch_image_urls,
+                       max_bytes=gw.settings.max_image_bytes, stored=gw.store.get_images, checked=gw.checked_images)
+
+
 def by_reference(messages: list[dict[str, Any]], images: TurnImages) -> list[dict[str, Any]]:
     """``messages`` with each image URL read in this request replaced by ``sha256:<hash>`` (what a stored record
     keeps: the file itself is in the store once)."""

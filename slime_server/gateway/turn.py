@@ -26,7 +26,7 @@ from slime_server.gateway.adapters import AdapterRoute
 from slime_server.gateway.core import Gateway
 from slime_server.gateway.engine_client import EngineError
 from slime_server.gateway.errors import APIError, bad_request
-from slime_server.gateway.images import EngineImages, ImageReader, TurnImages
+from slime_server.gateway.images import EngineImages, TurnImages, image_reader
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.protocol import (
     ChatCompletionRequest,
@@ -270,11 +270,7 @@ class ChatTurn:
         # stream starts
         self.route = await gw.adapters.for_call(self.adapter, principal)
         await gw.admit(session_id, req.metadata)
-        vision = getattr(gw.renderer, "vision", None)
-        reader = ImageReader(vision, gw.model_name, fetch_urls=gw.settings.fetch_image_urls,
-                             max_bytes=gw.settings.max_image_bytes, stored=gw.store.get_images,
-                             checked=gw.checked_images)
-        messages = await reader.canonical([m.model_dump(exclude_none=True) for m in req.messages], self.images)
+        messages = await image_reader(gw).canonical([m.model_dump(exclude_none=True) for m in req.messages], self.images)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prefill_ids = gw.renderer.encode(self.prefill) if self.prefill else []
         self.prepared = await recording.prepare_turn(gw.sessions, session_id, messages, tools, req.n, prefill_ids,
@@ -294,7 +290,7 @@ class ChatTurn:
                 **routes.request_fields(gw, self.prepared)}
         if self.prepared.images:  # every image of the prompt, collapsed to SGLang's one pad each on the way out
             spans = self.prepared.images
-            call["images"] = EngineImages(vision.pad_id, spans, self.images.data_urls([s.sha256 for s in spans]))
+            call["images"] = EngineImages(gw.renderer.vision.pad_id, spans, self.images.data_urls([s.sha256 for s in spans]))
         return call
 
     def usage(self, outs: list[GenerateOutput]) -> Usage:

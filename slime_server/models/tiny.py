@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -82,9 +83,15 @@ def _stable_name(spec: TinyModelSpec) -> str:
 def ensure_tiny_model(cache_dir: str | Path | None = None, spec: TinyModelSpec | None = None) -> Path:
     """Return the path of the tiny model, building it once (process-safe) if absent."""
     spec = spec or TinyModelSpec()
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return build_once(Path(cache_dir) if cache_dir else default_cache_dir(), _stable_name(spec),
+                      lambda out: build_tiny_model(out, spec))
+
+
+def build_once(root: Path, name: str, build: Callable[[Path], object]) -> Path:
+    """``root / name``, made by ``build(tmp)`` once (process-safe: under a lock, into a temporary directory renamed
+    into place when complete) if it has no ``config.json`` yet."""
     root.mkdir(parents=True, exist_ok=True)
-    target = root / _stable_name(spec)
+    target = root / name
     if (target / "config.json").exists():
         return target
     with open(root / ".build.lock", "w") as lock:
@@ -93,7 +100,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, spec: TinyModelSpec |
             return target
         tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
         try:
-            build_tiny_model(tmp, spec)
+            build(tmp)
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -15,17 +15,13 @@ tokens an image).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from slime_server.models.tiny import TinyModelSpec, build_tokenizer, default_cache_dir
+from slime_server.models.tiny import TinyModelSpec, build_once, build_tokenizer, default_cache_dir
 
 BUILDER_VERSION = "1"
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -58,23 +54,9 @@ class TinyVLSpec(BaseModel):
 def ensure_tiny_vl_model(cache_dir: str | Path | None = None, spec: TinyVLSpec | None = None) -> Path:
     """The tiny VLM's directory, built once (process-safe) if absent."""
     spec = spec or TinyVLSpec()
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:10]
-    target = root / f"tiny-qwen2_5_vl-v{BUILDER_VERSION}-{digest}"
-    if (target / "config.json").exists():
-        return target
-    with open(root / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").exists():
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-        try:
-            build_tiny_vl_model(tmp, spec)
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(Path(cache_dir) if cache_dir else default_cache_dir(),
+                      f"tiny-qwen2_5_vl-v{BUILDER_VERSION}-{digest}", lambda out: build_tiny_vl_model(out, spec))
 
 
 def build_tiny_vl_model(out_dir: str | Path, spec: TinyVLSpec | None = None) -> Path:

@@ -115,7 +115,7 @@ def num_experts(cfg: Any) -> int:
     return int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0)
 
 
-def _read_tensors(path: Path, wanted: set[str], prefix: str | None = None) -> dict[str, torch.Tensor] | None:
+def read_tensors(path: Path, wanted: set[str], prefix: str | None = None) -> dict[str, torch.Tensor] | None:
     """``wanted`` tensors (and any whose name starts with ``prefix``) from the directory's safetensors files, or
     None when any wanted one is missing."""
     from safetensors import safe_open
@@ -156,7 +156,7 @@ def load_engine_model(model_path: str, dtype: torch.dtype, lean: bool) -> Engine
         names = state_dict_names(cfg)
         tied = bool(getattr(top, "tie_word_embeddings", False))
         wanted = set(names) - ({"lm_head.weight"} if tied else set())
-        tensors = _read_tensors(path, wanted, prefix="visual." if vl else None)
+        tensors = read_tensors(path, wanted, prefix="visual." if vl else None)
         if tensors is not None:
             params = {n: tensors[n].to(dtype) for n in [*names, *sorted(tensors.keys() - set(names))] if n in tensors}
             if tied:

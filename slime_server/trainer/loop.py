@@ -301,7 +301,7 @@ class TrainLoop:
                 return None
         whole = self.store.get_trajectories_by_id([t.id for t in chosen])
         replay = self.settings.moe.routing_replay == "rollout"
-        shown = self.store.get_images([s.sha256 for t in whole for s in t.images]) if any(t.images for t in whole) else None
+        shown = self.store.get_images([s.sha256 for t in whole for s in t.images])  # {} without a read: no images
         samples = [to_train_sample(t, self.grammar_masker, routes=replay, images=shown) for t in whole]
         if self.users is not None:  # each through its user's adapter
             samples = self.users.assign(whole, samples)

@@ -21,6 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from slime_server.buffer.schema import MessageImage
+from slime_server.gateway.errors import APIError
+from slime_server.gateway.images import expand
 from slime_server.trainer.settings import LossConfig, OptimizerSettings
 from slime_server.trainer.types import SampleImage, TrainSample
 from slime_server.utils.net import find_free_port
@@ -91,24 +94,18 @@ def _expanded(ids: list[int], mask: list[int], images: list[bytes], vision: Any)
 
     if vision is None:
         raise ValueError("a conversation with images needs the vision-language model's VisionSpec")
-    out_ids: list[int] = []
-    out_mask: list[int] = []
-    shown = []
-    k = 0
-    for t, m in zip(ids, mask, strict=True):
-        if t != vision.pad_id:
-            out_ids.append(t)
-            out_mask.append(m)
-            continue
-        with Image.open(io.BytesIO(images[k])) as img:
-            n = vision.tokens(img.width, img.height)
-        shown.append(SampleImage(offset=len(out_ids), length=n, sha256=hashlib.sha256(images[k]).hexdigest(),
-                                 data=images[k]))
-        out_ids += [t] * n
-        out_mask += [0] * n
-        k += 1
-    if k != len(images):
-        raise ValueError(f"the rendered conversation holds {k} image placeholders for {len(images)} images")
+    meta = []
+    for data in images:
+        with Image.open(io.BytesIO(data)) as img:
+            meta.append(MessageImage(sha256=hashlib.sha256(data).hexdigest(), tokens=vision.tokens(img.width, img.height)))
+    try:
+        out_ids, spans = expand(ids, vision.pad_id, meta)  # the gateway's expansion: the engine's counts
+    except APIError as e:
+        raise ValueError(e.message) from None
+    kept = iter(m for t, m in zip(ids, mask, strict=True) if t != vision.pad_id)  # every other position keeps its mask
+    out_mask = [0 if t == vision.pad_id else next(kept) for t in out_ids]
+    shown = [SampleImage(offset=s["offset"], length=s["length"], sha256=s["sha256"], data=data)
+             for s, data in zip(spans, images, strict=True)]
     return out_ids, out_mask, shown
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import io
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from slime_server.rollout.engine_model import read_tensors
 from slime_server.rollout.engine_vision import rope_index
 from slime_server.trainer.types import SampleImage
 
@@ -49,9 +51,6 @@ class TrainerVision:
     """The checkpoint's image processor and frozen vision tower."""
 
     def __init__(self, hf_path: str, dtype: torch.dtype = torch.float32) -> None:
-        from pathlib import Path
-
-        from safetensors import safe_open
         from transformers import AutoConfig
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel,
@@ -63,13 +62,8 @@ class TrainerVision:
         self.processor = Qwen2VLImageProcessorPil.from_pretrained(hf_path)
         self.tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg.vision_config, dtype=dtype).eval()
         self.tower.requires_grad_(False)
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(hf_path).glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if name.startswith("visual."):
-                        state[name.removeprefix("visual.")] = st.get_tensor(name)
-        self.tower.load_state_dict(state, strict=True)
+        tensors = read_tensors(Path(hf_path), set(), prefix="visual.") or {}
+        self.tower.load_state_dict({n.removeprefix("visual."): t for n, t in tensors.items()}, strict=True)
         self._seen: OrderedDict[str, tuple[tuple[int, int, int], torch.Tensor]] = OrderedDict()
 
     def _image(self, image: SampleImage) -> tuple[tuple[int, int, int], torch.Tensor]:
