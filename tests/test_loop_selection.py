@@ -14,6 +14,7 @@ from slime_server.buffer.schema import Trajectory
 from slime_server.buffer.sqlite_store import SQLiteTrajectoryStore
 from slime_server.buffer.store import TurnWrite
 from slime_server.trainer.loop import EngineControl, TrainLoop
+from slime_server.trainer.selection import TrainingStalled
 from slime_server.trainer.settings import LoopSettings
 from tests._loop_helpers import RecordingTrainer, add
 
@@ -115,6 +116,37 @@ def test_zero_variance_groups_are_dropped_when_asked(store, tmp_path: Path) -> N
     assert lp.state.dropped_zero_variance == 2
     assert [store.get_trajectory(t).consumed_step for t in flat] == [-1, -1]
     assert len(trainer.batches) == 1 and {s.group_id for s in trainer.batches[0]} == {"G"}
+
+
+def test_a_job_that_can_never_train_again_fails_saying_why(store, tmp_path: Path) -> None:
+    # a collapsed policy: every group all reward 0; the streak counts groups since the last step, across polls
+    lp, trainer = loop(store, tmp_path, batch_size=4, n_samples_per_prompt=2, drop_zero_variance_groups=True,
+                       max_flat_groups_in_a_row=3, advantage={"estimator": "grpo"})
+    for g in "AB":
+        add(store, f"{g}0", group=g, reward=0.0)
+        add(store, f"{g}1", group=g, reward=0.0)
+    assert lp.step_once() is None and lp.state.flat_groups_in_a_row == 2
+    add(store, "C0", group="C", reward=0.0)
+    add(store, "C1", group="C", reward=1.0)  # a group with signal; the batch is not whole yet: no reset
+    assert lp.step_once() is None and lp.state.flat_groups_in_a_row == 2
+    add(store, "D0", group="D", reward=1.0)
+    add(store, "D1", group="D", reward=0.0)
+    assert lp.step_once() is not None and lp.state.flat_groups_in_a_row == 0  # a step resets it
+    for g in "EFG":
+        add(store, f"{g}0", group=g, reward=0.0)
+        add(store, f"{g}1", group=g, reward=0.0)
+    with pytest.raises(TrainingStalled, match=r"no step for 3 groups in a row.*latest: 0\b"):
+        lp.step_once()
+    assert len(trainer.batches) == 1 and lp.state.dropped_zero_variance == 10  # all stored, none trained
+
+
+def test_flat_groups_wait_for_ever_when_the_limit_is_off(store, tmp_path: Path) -> None:
+    lp, trainer = loop(store, tmp_path, batch_size=2, n_samples_per_prompt=2, drop_zero_variance_groups=True,
+                       max_flat_groups_in_a_row=None, advantage={"estimator": "grpo"})
+    for g in "ABCDE":
+        add(store, f"{g}0", group=g, reward=1.0)
+        add(store, f"{g}1", group=g, reward=1.0)
+    assert lp.step_once() is None and lp.state.flat_groups_in_a_row == 5 and not trainer.batches
 
 
 def test_unrewarded_and_open_trajectories_are_not_taken(store, tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ from slime_server.trainer.critic import explained_variance
 from slime_server.trainer.engine_control import EngineControl
 from slime_server.trainer.grammar_masks import GrammarMasker
 from slime_server.trainer.samples import to_train_sample, with_opd
-from slime_server.trainer.selection import Rejection, Selection, select, wait_reason
+from slime_server.trainer.selection import Rejection, Selection, check_flat_streak, select, wait_reason
 from slime_server.trainer.settings import Checkpoint, LoopSettings, LoopState
 from slime_server.trainer.types import TrainSample
 from slime_server.trainer.user_slots import UserSlots
@@ -285,6 +285,9 @@ class TrainLoop:
             self.state.dropped_incomplete += incomplete
             self.on_event("dropped", {"stale": stale, "zero_variance_or_empty": flat, "incomplete_groups": incomplete,
                                       "version": self.state.version})
+        self.state.flat_groups_in_a_row = 0 if sel.complete(s.batch_size) else (self.state.flat_groups_in_a_row
+                                                                                 + len(sel.flat_rewards))
+        check_flat_streak(self.state.flat_groups_in_a_row, sel.flat_rewards, s.max_flat_groups_in_a_row)
         if not sel.complete(s.batch_size):
             self._note_waiting(sel)
             return None

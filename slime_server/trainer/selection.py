@@ -11,6 +11,10 @@ finished, rewarded, unconsumed trajectories (oldest first):
 - older than ``max_staleness`` versions with the ``drop`` policy: dropped;
 - all rewards equal with ``drop_zero_variance``: dropped (no GRPO signal);
 - otherwise taken, whole, until ``batch_size``.
+
+A job that only ever drops groups for the last two reasons can never take a step again (a collapsed policy
+that gives every episode reward 0, or one that solves everything): ``check_flat_streak`` fails it with the
+reason, rather than let it play episodes for ever.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class Selection(BaseModel):
     drop_stale: list[str] = Field(default_factory=list)
     drop_flat: list[str] = Field(default_factory=list)  # zero variance, or nothing generated
     drop_incomplete: list[str] = Field(default_factory=list)
+    flat_rewards: list[float | None] = Field(default_factory=list)  # one per flat group: its reward (None: empty)
     incomplete_sessions: int = 0  # sessions whose group is still waiting for members
 
     def complete(self, batch_size: int) -> bool:
@@ -68,6 +73,7 @@ def select(pool: Sequence[TrajectoryHead], *, batch_size: int, group_size: int, 
         versions = [t.min_version for t in members]
         if any(v is None for v in versions):
             out.drop_flat += [t.id for t in members]
+            out.flat_rewards.append(None)
             continue
         lags = [lag_of(t, v) for t, v in zip(members, versions, strict=True) if v is not None]
         lag = max(lags)
@@ -76,12 +82,30 @@ def select(pool: Sequence[TrajectoryHead], *, batch_size: int, group_size: int, 
             continue
         if drop_zero_variance and len(members) > 1 and len({t.reward for t in members}) == 1:
             out.drop_flat += [t.id for t in members]
+            out.flat_rewards.append(members[0].reward)
             continue
         if len(out.chosen) + len(members) > batch_size:
             continue
         out.chosen += members
         out.lags += lags
     return out
+
+
+class TrainingStalled(RuntimeError):
+    """The job can take no step again: every group for a long while carried no signal."""
+
+
+def check_flat_streak(streak: int, rewards: Sequence[float | None], limit: int | None) -> None:
+    """Raise ``TrainingStalled`` once ``streak`` groups in a row, with no step between, were dropped as flat
+    (``rewards``: the latest of them, one each; None for a group that generated nothing). ``limit`` None: never."""
+    if limit is None or streak < limit:
+        return
+    seen = sorted({"nothing generated" if r is None else f"{r:g}" for r in rewards})
+    raise TrainingStalled(
+        f"no step for {streak} groups in a row: every group gave all its members the same reward "
+        f"(latest: {', '.join(seen) or '?'}) or generated nothing, so GRPO has no signal. The policy answers every "
+        "prompt alike (collapsed, or the task is solved or impossible for it); the job stops rather than play "
+        "episodes for ever (loop.max_flat_groups_in_a_row sets how long it waits)")
 
 
 def _count(n: int, noun: str) -> str:

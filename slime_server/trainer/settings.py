@@ -181,6 +181,9 @@ class LoopSettings(BaseModel):
     stale_decay: float = Field(0.5, gt=0, le=1, description="downweight: advantage x decay ** (lag - max)")
     drop_zero_variance_groups: bool = Field(False, description="DAPO dynamic sampling: skip groups whose "
                                             "rewards are all equal (they carry no GRPO signal)")
+    max_flat_groups_in_a_row: int | None = Field(256, ge=1, description="fail the job after this many groups in a "
+                                                 "row were dropped for equal rewards (or nothing generated) with "
+                                                 "no step between: it could never train again; None = wait for ever")
     group_timeout_s: float | None = Field(600.0, gt=0, description="a group still short of n_samples_per_prompt "
                                           "members this long after its newest member finished is dropped (counted "
                                           "in dropped_incomplete); None = wait for ever")
@@ -238,6 +241,7 @@ class LoopState(BaseModel):
     dropped_stale: int = 0
     dropped_zero_variance: int = 0
     dropped_incomplete: int = 0
+    flat_groups_in_a_row: int = 0  # groups dropped for equal rewards since the last step (check_flat_streak)
     downweighted: int = 0
     restarts: int = 0
     kept: int = 0  # rejection sampling: samples that passed and trained
