@@ -23,6 +23,8 @@ import httpx
 
 from slime_server.config import ServerSettings
 from slime_server.demo_learning import DemoFailed, DemoLearningSettings, ensure_warm_start, run_rl
+from slime_server.demo_vision import VisionDemoSettings, ensure_vision_warm_start, run_vision_rl
+from slime_server.demo_vision import summary as vision_summary
 from slime_server.server.launch import resolve_model_path
 from slime_server.server.serve_cmd import RunningServer, start_server
 from slime_server.utils.eval_args import parse_eval_data
@@ -98,12 +100,17 @@ class DemoCommand:
                             help="the warm start's SFT batch order (default 0): another seed is another warm start")
         parser.add_argument("--eval-data", action="append", default=[], metavar="NAME=PATH",
                             help="extra JSONL eval set for the calculator environment (repeatable)")
+        parser.add_argument("--vision", action="store_true",
+                            help="the visual demo: the tiny vision-language model learns the shapes environment (its "
+                                 "tool returns a picture; the answer is the shape's colour)")
         parser.add_argument("--no-learn", action="store_true",
                             help="skip the warm start and RL: play one recorded episode on the base model")
         parser.add_argument("--exit", action="store_true", help="exit at the end instead of serving")
         parser.add_argument("--episodes-only", action="store_true", help="same as --no-learn --exit")
 
     def learning_settings(self, args: argparse.Namespace) -> Any:
+        if args.vision:
+            return vision_settings(args)
         values = DemoLearningSettings(seed=args.seed).model_dump()
         if args.steps is not None:
             values["rl_steps"] = args.steps
@@ -125,13 +132,18 @@ class DemoCommand:
         import tempfile
 
         no_learn = args.no_learn or args.episodes_only
+        if args.vision and (no_learn or args.eval_data):
+            print("[demo] error: --vision always learns (warm start, then RL on shapes); --no-learn, "
+                  "--episodes-only and --eval-data are the calculator demo's", file=sys.stderr, flush=True)
+            return 2
         exit_at_end = args.exit or args.episodes_only
         work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="slime-demo-"))
         work.mkdir(parents=True, exist_ok=True)
         eval_sets = parse_eval_data(args.eval_data)
         learn = None if no_learn else self.learning_settings(args)
         if learn is not None:
-            warm = ensure_warm_start(resolve_model_path(settings.engine.model), learn)
+            warm = (ensure_vision_warm_start(learn) if args.vision else
+                    ensure_warm_start(resolve_model_path(settings.engine.model), learn))
             trainer = settings.trainer.model_copy(update={"work_dir": str(work / "jobs")})
             settings = settings.model_copy(update={"engine": settings.engine.model_copy(update={"model": str(warm)}),
                                                    "trainer": trainer})
@@ -172,9 +184,25 @@ class DemoCommand:
         return code
 
 
+def vision_settings(args: argparse.Namespace) -> VisionDemoSettings:
+    """``--vision``'s settings: the flags that apply to it (steps, evaluation, RL lr, SFT steps, lr and seed)."""
+    values = VisionDemoSettings(seed=args.seed).model_dump()
+    for flag, key in (("steps", "rl_steps"), ("eval_every", "eval_every"), ("eval_prompts", "eval_prompts"),
+                      ("lr", "lr")):
+        if getattr(args, flag) is not None:
+            values[key] = getattr(args, flag)
+    for flag, key in (("sft_steps", "steps"), ("sft_lr", "lr"), ("sft_seed", "seed")):
+        if getattr(args, flag) is not None:
+            values["sft"][key] = getattr(args, flag)
+    return VisionDemoSettings.model_validate(values)
+
+
 def learn_and_report(running: Any, admin_key: str | None, learn: Any, work: Path,
                      eval_sets: list[tuple[str, str]]) -> None:
     root = running.base_url.removesuffix("/v1")
+    if isinstance(learn, VisionDemoSettings):
+        print("[demo] summary: " + vision_summary(run_vision_rl(root, admin_key, learn, work)), flush=True)
+        return
     result = run_rl(root, admin_key, learn, work, extra_evals=eval_sets)
     held = [e for e in result.evals if e["name"] == "held_out"]
     print("[demo] summary: " + json.dumps({

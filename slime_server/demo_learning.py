@@ -270,15 +270,23 @@ def run_rl(root_url: str, admin_key: str | None, settings: DemoLearningSettings,
            extra_evals: list[tuple[str, str]] = ()) -> DemoResult:
     """Submit the RL job, show progress until it completes and its last evaluation is in."""
     train, held_out = write_datasets(work, settings)
+    return follow_job(root_url, admin_key, job_spec(settings, train, held_out, list(extra_evals)), settings.rl_steps,
+                      settings.eval_every, work, "calculator")
+
+
+def follow_job(root_url: str, admin_key: str | None, spec: dict[str, Any], rl_steps: int, eval_every: int,
+               work: Path, task: str) -> DemoResult:
+    """Submit a demo's RL job (``spec``), show progress until it completes and its last held-out evaluation is in;
+    its evaluations, rewards and plot."""
     rest = httpx.Client(base_url=root_url, headers={"Authorization": f"Bearer {admin_key or 'none'}"}, timeout=120)
-    job = rest.post("/jobs", json=job_spec(settings, train, held_out, list(extra_evals))).raise_for_status().json()
+    job = rest.post("/jobs", json=spec).raise_for_status().json()
     t0 = time.monotonic()
-    bar = _bar(settings.rl_steps, "RL (GRPO on calculator)")
+    bar = _bar(rl_steps, f"RL (GRPO on {task})")
     evals: list[dict[str, Any]] = []
     evals_other: list[dict[str, Any]] = []
     rewards: list[tuple[int, float]] = []
     seen_step, last_seq, status = 0, 0, job["status"]
-    final_eval_step = settings.rl_steps - settings.rl_steps % settings.eval_every
+    final_eval_step = rl_steps - rl_steps % eval_every
     failed_evals: list[dict[str, Any]] = []
 
     def read_events() -> None:
@@ -312,7 +320,7 @@ def run_rl(root_url: str, admin_key: str | None, settings: DemoLearningSettings,
             bar.set_postfix_str(f"{progress} | policy v{step}")
         if status in ("completed", "failed", "cancelled"):
             break
-        if step >= settings.rl_steps:  # trained; the job completes once its last evaluation is in
+        if step >= rl_steps:  # trained; the job completes once its last evaluation is in
             bar.set_postfix_str(f"{progress} | policy v{step} | waiting for the held-out evaluation of step "
                                 f"{final_eval_step}")
         time.sleep(1.0)
@@ -324,7 +332,7 @@ def run_rl(root_url: str, admin_key: str | None, settings: DemoLearningSettings,
         why = "; ".join(str(e.get("error")) for e in failed_evals) or "no evaluation was reported"
         raise DemoFailed(f"the RL job completed without the held-out evaluation of step {final_eval_step}: {why}")
     evals.sort(key=lambda e: e["step"])
-    plot = plot_progress(evals, rewards, work / "demo_success.png")
+    plot = plot_progress(evals, rewards, work / "demo_success.png", task)
     return DemoResult(job_id=job["id"], steps=seen_step, seconds=time.monotonic() - t0, evals=evals + evals_other,
                       rewards=rewards, before=evals[0]["success_rate"] if evals else 0.0,
                       after=evals[-1]["success_rate"] if evals else 0.0, plot=plot)
@@ -343,7 +351,8 @@ def tqdm_write(line: str) -> None:
     sys.stdout.flush()
 
 
-def plot_progress(evals: list[dict[str, Any]], rewards: list[tuple[int, float]], out: Path) -> str | None:
+def plot_progress(evals: list[dict[str, Any]], rewards: list[tuple[int, float]], out: Path,
+                  task: str = "calculator") -> str | None:
     """Success rate (held-out) and batch reward vs step as a PNG; None without matplotlib."""
     try:
         import matplotlib
@@ -358,7 +367,7 @@ def plot_progress(evals: list[dict[str, Any]], rewards: list[tuple[int, float]],
     ax.plot([e["step"] for e in evals], [e["success_rate"] for e in evals], "o-", color="#1f77b4", lw=2,
             label="held-out success rate")
     ax.set(xlabel="RL step (policy version)", ylabel="success rate", ylim=(0, 1.02),
-           title="calculator: tiny model, CPU, GRPO through slime-server")
+           title=f"{task}: tiny model, CPU, GRPO through slime-server")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()

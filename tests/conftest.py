@@ -82,8 +82,9 @@ def real_model_path() -> Path:
 
 
 # Under xdist workers, a module at a time (--dist loadfile), the modules that took longest (serial run of
-# 2026-11-25) run first: the suite ends when the later worker ends.
-LONGEST_FIRST = ["test_demo_learning.py", "test_jobs_e2e.py", "test_demo_and_serve.py", "test_trainer_tp.py",
+# 2026-11-25; the demo_vision and lora_per_user modules from 2026-11-28's) run first: the suite ends when the later worker ends.
+LONGEST_FIRST = ["test_demo_learning.py", "test_jobs_e2e.py", "test_demo_vision.py", "test_lora_per_user.py",
+                 "test_demo_and_serve.py", "test_trainer_tp.py",
                  "test_real_model.py", "test_online_e2e.py", "test_two_nodes.py", "test_soak.py",
                  "test_harnesses.py", "test_engine_faults.py",
                  "test_engine_key_deploy.py", "test_training_modes.py"]

@@ -7,6 +7,7 @@ sampled episodes and the evaluation's samples. A claim about what the demo learn
 and cached for the others (its key does not include the seed).
 
     python tools/bench_demo.py --seeds 0 1 2 3 4 5 --steps 40 --eval-every 20 --eval-prompts 256
+    python tools/bench_demo.py --vision --seeds 0 1 2 3 --steps 30 --eval-every 10 --eval-prompts 128
 
 The warm start is a draw too: it is rebuilt whenever its inputs change, or its SFT's rounding does (the cache
 is keyed by inputs, not by the trainer's code). ``--sft-seeds 0 1 2`` runs every seed on each of those warm
@@ -44,6 +45,8 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path, sft_seed: int = 0)
            "--eval-every", str(args.eval_every), "--eval-prompts", str(args.eval_prompts), "--work-dir", str(work)]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
+    if args.vision:
+        cmd.append("--vision")
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
@@ -66,6 +69,8 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=256)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--sft-seeds", type=int, nargs="+", default=[0], help="one warm start per SFT seed")
+    parser.add_argument("--vision", action="store_true", help="the visual demo (demo --vision): the tiny VLM on "
+                        "shapes; e.g. --vision --steps 30 --eval-every 10 --eval-prompts 128")
     parser.add_argument("--out", type=Path, default=None, help="write the runs as JSON here")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-demo-"))
