@@ -168,6 +168,33 @@ def test_gateway_generate_bodies_pass_sglang_contract(case: dict[str, Any], stre
             pytest.fail(f"SGLang {SGLANG_VERSION} answers 400 to {wire}: {e}", pytrace=False)
 
 
+def test_gateway_image_bodies_pass_sglang_contract() -> None:
+    """A vision-language prompt's body (issue 45): each image's pads collapsed to SGLang's one pad, the files as
+    ``image_data`` data URLs in pad order (SGLang 0.5.23 expands the pad; a URL would make it fetch)."""
+    from slime_server.buffer.schema import ImageSpan
+    from slime_server.gateway.engine_client import EngineClient
+    from slime_server.gateway.images import EngineImages
+
+    at = api_types()
+    assert "image_data" in at.GenerateRequest.__struct_fields__
+    assert "return_prompt_token_ids" in (set(at.GenerateRequest.__struct_fields__)
+                                         | set(io_struct_classes()["GenerateReqInput"]))
+    pad = 99
+    ids = [1, 2, pad, pad, pad, 3, pad, pad, 4]
+    urls = ["data:image/png;base64,AAAA", "data:image/jpeg;base64,BBBB"]
+    images = EngineImages(pad, [ImageSpan(sha256="a", offset=2, length=3), ImageSpan(sha256="b", offset=6, length=2)],
+                          urls)
+    for stream in (False, True):
+        body = EngineClient.build_request(ids, _openai_params(_OPENAI_CASES[1]), rid="chatcmpl-1", stream=stream,
+                                          images=images)
+        wire = json.loads(json.dumps(body))
+        try:
+            at.GenerateRequest.from_json_value(wire)
+        except at.JsonContractError as e:
+            pytest.fail(f"SGLang {SGLANG_VERSION} answers 400 to {wire}: {e}", pytrace=False)
+        assert wire["input_ids"] == [1, 2, pad, 3, pad, 4] and wire["image_data"] == urls
+
+
 def _sglang_answer(at: ModuleType, ids: list[int], finish: Any, versions: list[tuple[str, int, int]]
                    ) -> dict[str, Any]:
     """A realistic SGLang ``/generate`` answer, encoded by SGLang's own contract code."""
