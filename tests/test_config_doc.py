@@ -30,7 +30,17 @@ def test_reference_lists_every_setting_with_its_env_var() -> None:
         assert model is not None
         for name in model.model_fields:
             assert f"`SLIME_{section.upper()}__{name.upper()}`" in text, (section, name)
-    assert "### `job.loop`" in text and "### `job.optimizer`" in text
+    assert "### `job.loop`" not in text and "(job-spec.md)" in text
+
+
+def test_committed_job_spec_reference_matches_the_models() -> None:
+    committed = (ROOT / "docs" / "job-spec.md").read_text()
+    assert committed == config_doc.render_jobs(), (
+        "docs/job-spec.md is stale: run `python -m slime_server.utils.config_doc --jobs > docs/job-spec.md`")
+    for table in ("### `job.loop`", "### `job.optimizer`", "### `job.loss`", "### `job.lora`", "### `job.eval[]`"):
+        assert table in committed, table
+    for row in ("| `batch_size` |", "| `max_flat_groups_in_a_row` |", "| `kl_coef` |", "| `lr` |"):
+        assert row in committed, row
 
 
 def test_compose_file_wires_head_workers_and_server() -> None:

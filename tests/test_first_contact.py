@@ -32,7 +32,7 @@ def test_readme_first_training_job_learns_and_ends_cleanly(tmp_path: Path) -> No
     held-out evaluations at steps 0, 5 and 10 are printed before the job's end, the output has no warning,
     error or traceback (no episode outlives the job), it says where its files are, exits 0 and leaves no
     process behind. Without --local and with no server at the URL it exits 2 naming the way out."""
-    block = re.search(r"### Your first training job\n\n```bash\n(.*?)```", README, flags=re.S)
+    block = re.search(r"#+ Your first training job\n\n```bash\n(.*?)```", README, flags=re.S)
     assert block is not None, "README has no first training job"
     argv = shlex.split(block.group(1).strip())
     assert argv[:3] == ["slime-server", "train", "examples/grpo_calculator.yaml"] and "--local" in argv

@@ -1,7 +1,8 @@
-"""README's tour, run as written: its serve command, its Python snippets, its curl commands and the claims
+"""README's tour, run as written: its serve command, its Python snippet, its curl commands and the claims
 around them, against ``slime-server serve`` started from README's own line. Only the port differs (README's
 8000 becomes a free one) and ``<id>`` becomes the job's id: a README edit that breaks a reader's first steps
-fails here.
+fails here. The same server runs the docs' runnable blocks (tests/_docs_run.py), so a renamed flag or route
+breaks the build, not the reader.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import pytest
 
 from slime_server.utils.net import find_free_port, wait_http_ok
 from slime_server.utils.procs import stop_leader
+from tests._docs_run import DOCS, run_block, runnable_blocks
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+SERVE_DIR: dict[str, Path] = {}  # where the tour's server runs (its store is the CLI's default there)
 CLI = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "slime-server"
 
 
@@ -65,6 +68,7 @@ def port(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Ite
     argv = at_port(line, port).replace("--port 8000", f"--port {port}").split()
     assert argv[:2] == ["slime-server", "serve"] and str(port) in argv
     work = tmp_path_factory.mktemp("tour")
+    SERVE_DIR["work"] = work
     log = (work / "serve.log").open("w")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "SLIME_GATEWAY__PORT": str(port)}
     proc = subprocess.Popen([str(CLI), *argv[1:]], cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -100,8 +104,8 @@ def test_the_first_snippet_then_its_reward_finishes_the_episode(port: int) -> No
 
 
 def test_the_three_apis_snippet_records_both_sessions(port: int) -> None:
-    snippet = block_with("python", "anthropic.Anthropic(")
-    exec(compile(at_port(snippet, port), "README.md", "exec"), {})
+    [snippet] = [b.code for b in runnable_blocks() if b.page == "agents.md" and "anthropic.Anthropic(" in b.code]
+    exec(compile(at_port(snippet, port), "docs/agents.md", "exec"), {})
     for sid in ("ep-1", "ep-2"):
         r = httpx.get(f"http://127.0.0.1:{port}/v1/sessions/{sid}/trajectory", timeout=30)
         assert r.status_code == 200, r.text
@@ -134,3 +138,21 @@ def test_the_job_commands_and_the_waiting_claim(port: int) -> None:
     assert listed.returncode == 0 and job_id in listed.stdout, listed.stdout + listed.stderr
     cancelled = httpx.post(f"{base}/jobs/{job_id}/cancel", timeout=120)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+
+
+def test_the_docs_runnable_blocks_run(port: int) -> None:
+    blocks = runnable_blocks()
+    assert {b.page for b in blocks} >= {"index.md", "agents.md", "environments.md", "operating.md"}, blocks
+    for block in blocks:
+        done = run_block(block, port, SERVE_DIR["work"])
+        assert done.returncode == 0, f"{block}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+def test_a_renamed_flag_in_the_docs_fails_the_run(port: int) -> None:
+    """The planted mistake: the docs' export block with its ``--format`` flag misspelt must fail."""
+    [export] = [b for b in runnable_blocks() if "slime-server export --format" in b.code]
+    planted = type(export)(export.page, export.lang, export.code.replace("--format", "--fromat"))
+    done = run_block(planted, port, SERVE_DIR["work"])
+    assert done.returncode != 0 and "--fromat" in done.stderr, done.stderr[-2000:]
+    assert (DOCS / export.page).read_text().count("--fromat") == 0  # planted in the copy only
+

@@ -1,15 +1,17 @@
-"""The configuration reference (docs/configuration.md), generated from the settings models.
+"""The configuration and job spec references (docs/configuration.md, docs/job-spec.md), generated from the models.
 
 Why generated: the pydantic models are the one source of truth for names, types, defaults and
-descriptions; a hand-written table drifts. ``tests/test_config_doc.py`` fails when the committed
+descriptions; a hand-written table drifts. ``tests/test_config_doc.py`` fails when a committed
 file differs from what this renders, so the doc changes in the same commit as the setting.
 
     python -m slime_server.utils.config_doc > docs/configuration.md
+    python -m slime_server.utils.config_doc --jobs > docs/job-spec.md
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import types
 import typing
 from typing import Any
@@ -19,7 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from slime_server.config import ServerSettings
-from slime_server.jobs.spec import JobSpec
+from slime_server.jobs.spec import JobSpec, LossConfig
 
 HEADER = """# Configuration reference
 
@@ -32,11 +34,14 @@ Precedence, highest first: command-line flags > `SLIME_*` environment variables 
 mapping per section, e.g. `engine: {num_engines: 2}`. Unknown keys are errors.
 """
 
-JOB_HEADER = """
-## Job spec (`POST /jobs`)
+JOB_HEADER = """# Job spec reference
 
-The JSON body of `POST /jobs` (and `slime-server serve --online`'s live job). Nested objects are
-listed as their own tables; unknown keys are errors.
+Generated from `slime_server/jobs/spec.py` by `python -m slime_server.utils.config_doc --jobs` (do not edit by
+hand). It is the JSON body of `POST /jobs` and the YAML file of `slime-server train FILE.yaml` (and
+`slime-server serve --online`'s live job). Nested objects are listed as their own tables; unknown keys are errors.
+"""
+
+LOSS_HEADER = """The `loss` object overrides these fields of the trainer's loss (unknown keys are errors at submit):
 """
 
 
@@ -105,15 +110,21 @@ def model_tables(model: type[BaseModel], path: str, env_prefix: str | None = Non
 
 
 def render() -> str:
+    """docs/configuration.md: every server setting."""
     lines = [HEADER]
     for name, field in ServerSettings.model_fields.items():
         sub = _model_of(field.annotation)
         if sub is not None:
             lines += model_tables(sub, name, f"SLIME_{name.upper()}__")
-    lines.append(JOB_HEADER)
-    lines += model_tables(JobSpec, "job")
+    lines.append("The job spec (`POST /jobs`) has its own reference: [Job spec](job-spec.md).")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_jobs() -> str:
+    """docs/job-spec.md: the job spec, and the loss config its ``loss`` object overrides."""
+    lines = [JOB_HEADER, *model_tables(JobSpec, "job"), LOSS_HEADER, *model_tables(LossConfig, "job.loss")]
     return "\n".join(lines).rstrip() + "\n"
 
 
 if __name__ == "__main__":
-    print(render(), end="")
+    print(render_jobs() if "--jobs" in sys.argv[1:] else render(), end="")
