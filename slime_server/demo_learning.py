@@ -22,6 +22,7 @@ import multiprocessing as mp
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from pydantic import BaseModel, Field
 
 from slime_server.envs.base import DatasetRow
 from slime_server.envs.calculator import NAMES, TEMPLATES, CalculatorEnv, evaluate, format_number
-from slime_server.models.tiny import default_cache_dir, ensure_tiny_model
+from slime_server.models.tiny import build_once, default_cache_dir, ensure_tiny_model
 from slime_server.trainer.sft import SFTSettings, conversation_sample, run_sft
 
 # +, -, * word problems with one-digit operands: copying a digit is learnable by a 3 M-parameter
@@ -162,10 +163,7 @@ def ensure_warm_start(base: str | Path, settings: DemoLearningSettings) -> Path:
     """The SFT warm start of ``base``, built once in a child process and cached next to it, under a key
     made of its inputs' content (the base model's files, the SFT data, the SFT settings): it is built
     again exactly when one of them changes, never for a new ``--seed`` or an unrelated code change."""
-    import fcntl
     import hashlib
-    import shutil
-    import tempfile
 
     base = Path(base).resolve()
     digest = hashlib.sha256()
@@ -173,38 +171,33 @@ def ensure_warm_start(base: str | Path, settings: DemoLearningSettings) -> Path:
         digest.update(f.name.encode() + f.read_bytes())
     digest.update(json.dumps(warm_start_conversations(settings.sft_conversations), sort_keys=True).encode())
     digest.update(settings.sft.model_dump_json().encode())
-    key = digest.hexdigest()
-    root = default_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"{base.name}-calc-warm-{key[:12]}"
-    if (target / "config.json").exists():
-        print(f"[demo] warm start (cached): {target}", flush=True)
-        return target
-    with open(root / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").exists():
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=".sft-", dir=root))
+    name = f"{base.name}-calc-warm-{digest.hexdigest()[:12]}"
+    return build_in_child(name, _sft_child, lambda tmp: (str(base), str(tmp), settings.sft.model_dump_json(),
+                                                         settings.sft_conversations))
+
+
+def build_in_child(name: str, target: Callable[..., None], args: Callable[[Path], tuple[Any, ...]]) -> Path:
+    """The model cache's ``name``, built once (``build_once``) by ``target(*args(tmp))`` in a spawned child (the
+    warm starts' SFT: Megatron's process state stays out of the demo's), which must not outlive a Ctrl-C."""
+    cached = default_cache_dir() / name
+    if (cached / "config.json").exists():
+        print(f"[demo] warm start (cached): {cached}", flush=True)
+
+    def build(tmp: Path) -> None:
+        t0 = time.monotonic()
+        proc = mp.get_context("spawn").Process(target=target, args=args(tmp), name="slime-sft", daemon=True)
+        proc.start()
         try:
-            t0 = time.monotonic()
-            proc = mp.get_context("spawn").Process(
-                target=_sft_child, args=(str(base), str(tmp), settings.sft.model_dump_json(),
-                                         settings.sft_conversations), name="slime-sft",
-                daemon=True)
-            proc.start()
-            try:
-                proc.join()
-            except BaseException:  # Ctrl-C / SIGTERM: the child must not outlive the demo
-                proc.terminate()
-                proc.join(10)
-                raise
-            if proc.exitcode != 0:
-                raise RuntimeError(f"the SFT warm start failed (exit code {proc.exitcode})")
-            tmp.rename(target)
-            print(f"[demo] warm start built in {time.monotonic() - t0:.0f}s: {target}", flush=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+            proc.join()
+        except BaseException:  # Ctrl-C / SIGTERM: the child must not outlive the demo
+            proc.terminate()
+            proc.join(10)
+            raise
+        if proc.exitcode != 0:
+            raise RuntimeError(f"the SFT warm start failed (exit code {proc.exitcode})")
+        print(f"[demo] warm start built in {time.monotonic() - t0:.0f}s: {cached}", flush=True)
+
+    return build_once(default_cache_dir(), name, build)
 
 
 class DemoResult(BaseModel):

@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import random
-import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from slime_server.demo_learning import DemoResult, _bar, follow_job
+from slime_server.demo_learning import DemoResult, _bar, build_in_child, follow_job
 from slime_server.envs.base import DatasetRow
 from slime_server.envs.shapes import COLOURS, ShapesEnv, render
 from slime_server.gateway.images import VisionSpec
-from slime_server.models.tiny import build_once, default_cache_dir
 from slime_server.models.tiny_vl import ensure_tiny_vl_model
 from slime_server.trainer.sft import SFTSettings, conversation_sample, run_sft
 
@@ -96,25 +93,7 @@ def ensure_vision_warm_start(settings: VisionDemoSettings) -> Path:
         digest.update(f.name.encode() + f.read_bytes())
     digest.update(settings.model_dump_json(include={"sft", "sft_conversations", "p_right"}).encode())
     name = f"{base.name}-shapes-warm-{digest.hexdigest()[:12]}"
-    if (default_cache_dir() / name / "config.json").exists():
-        print(f"[demo] warm start (cached): {default_cache_dir() / name}", flush=True)
-
-    def build(tmp: Path) -> None:
-        t0 = time.monotonic()
-        proc = mp.get_context("spawn").Process(target=_sft_child, args=(str(base), str(tmp), settings.model_dump_json()),
-                                               name="slime-sft", daemon=True)
-        proc.start()
-        try:
-            proc.join()
-        except BaseException:  # Ctrl-C / SIGTERM: the child must not outlive the demo
-            proc.terminate()
-            proc.join(10)
-            raise
-        if proc.exitcode != 0:
-            raise RuntimeError(f"the SFT warm start failed (exit code {proc.exitcode})")
-        print(f"[demo] warm start built in {time.monotonic() - t0:.0f}s", flush=True)
-
-    return build_once(default_cache_dir(), name, build)
+    return build_in_child(name, _sft_child, lambda tmp: (str(base), str(tmp), settings.model_dump_json()))
 
 
 def write_datasets(work: Path, settings: VisionDemoSettings) -> tuple[Path, Path]:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+from slime_server.utils.procs import kill_group
 
 CLI = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "slime-server"
 
@@ -63,3 +69,20 @@ def wait_for(q: queue.Queue[str], prefix: str, timeout: float, proc: subprocess.
         if line.startswith(prefix):
             return line[len(prefix):].strip()
     raise TimeoutError(f"no {prefix!r} line within {timeout}s\n" + command_output(q))
+
+
+def run_demo(args: list[str], timeout: float) -> dict[str, Any]:
+    """``slime-server demo ARGS`` to its end as a reader runs it (its own process group, killed on the way out):
+    its last output printed, exit 0 asserted, and its ``[demo] summary`` line parsed."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([str(CLI), "demo", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    sys.stdout.write(out[-3000:])
+    assert proc.returncode == 0
+    return json.loads(next(line for line in out.splitlines() if line.startswith("[demo] summary: "))
+                      .removeprefix("[demo] summary: "))
+

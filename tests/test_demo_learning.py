@@ -4,17 +4,12 @@ held-out set sampled with fixed seeds: a real improvement, not a tuned constant.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from slime_server.utils.eval_args import parse_eval_data
-from slime_server.utils.procs import kill_group
-from tests._cli_helpers import CLI
+from tests._cli_helpers import run_demo
 
 pytestmark = pytest.mark.timeout(3000)
 
@@ -112,20 +107,9 @@ def test_shortened_demo_learns(tiny_model_path: Path, tmp_path: Path) -> None:
     eval_file = tmp_path / "extra.jsonl"
     eval_file.write_text('{"prompt": "Ana has 4 apples and buys 3 more. How many apples does Ana have now?", '
                          '"label": "7"}\n')
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    work = tmp_path / "work"
-    proc = subprocess.Popen(
-        [str(CLI), "demo", "--steps", "40", "--eval-every", "20", "--eval-prompts", "256", "--seed", "0", "--exit",
-         "--work-dir", str(work), "--eval-data", f"extra={eval_file}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=2900)  # ~3 min with the warm start cached, ~13 building it
-    finally:
-        kill_group(proc)
-    sys.stdout.write(out[-3000:])
-    assert proc.returncode == 0
-    summary = json.loads(next(line for line in out.splitlines() if line.startswith("[demo] summary: "))
-                         .removeprefix("[demo] summary: "))
+    summary = run_demo(["--steps", "40", "--eval-every", "20", "--eval-prompts", "256", "--seed", "0", "--exit",
+                        "--work-dir", str(tmp_path / "work"), "--eval-data", f"extra={eval_file}"],
+                       timeout=2900)  # ~3 min with the warm start cached, ~13 building it
     curve = summary["curve"]
     assert [s for s, _ in curve] == [0, 20, 40]
     # the margin: the demo's gain must stand clear of the measurement's own noise. The same weights (the step-0

@@ -5,16 +5,11 @@ before vs after. The margin comes from the measured spread of the same weights' 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from slime_server.utils.procs import kill_group
-from tests._cli_helpers import CLI
+from tests._cli_helpers import run_demo
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -59,19 +54,9 @@ def test_held_out_pictures_are_never_rendered_for_training() -> None:
 
 
 def test_shortened_visual_demo_learns(tmp_path: Path) -> None:
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [str(CLI), "demo", "--vision", "--steps", "30", "--eval-every", "30", "--eval-prompts", "128", "--seed", "0", "--exit",
-         "--work-dir", str(tmp_path / "work")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=1700)  # ~2 min with the warm start cached, ~80 s more building it
-    finally:
-        kill_group(proc)
-    sys.stdout.write(out[-3000:])
-    assert proc.returncode == 0
-    summary = json.loads(next(line for line in out.splitlines() if line.startswith("[demo] summary: "))
-                         .removeprefix("[demo] summary: "))
+    summary = run_demo(["--vision", "--steps", "30", "--eval-every", "30", "--eval-prompts", "128", "--seed", "0",
+                        "--exit", "--work-dir", str(tmp_path / "work")],
+                       timeout=1700)  # ~2 min with the warm start cached, ~80 s more building it
     assert [s for s, _ in summary["curve"]] == [0, 30]
     # the margin: clear of the evaluation's own noise. The warm start's weights evaluated on 128 held-out pictures with
     # three seeds (2026-11-28, this 2-core AMD EPYC): 28.1, 23.4 and 33.6% (sd 5.1 points), so three standard

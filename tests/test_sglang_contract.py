@@ -148,6 +148,16 @@ def _openai_params(case: dict[str, Any]) -> dict[str, Any]:
     return sampling_params(_gateway_stub(), prompt_len=len(PROMPT), **case)
 
 
+def _admitted(at: ModuleType, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as it goes over the wire, checked as SGLang's ``/generate`` checks it first (a 400 fails here)."""
+    wire = json.loads(json.dumps(body))
+    try:
+        at.GenerateRequest.from_json_value(wire)
+    except at.JsonContractError as e:
+        pytest.fail(f"SGLang {SGLANG_VERSION} answers 400 to {wire}: {e}", pytrace=False)
+    return wire
+
+
 @pytest.mark.parametrize("case", _OPENAI_CASES, ids=["defaults", "all-set", "edge"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_gateway_generate_bodies_pass_sglang_contract(case: dict[str, Any], stream: bool) -> None:
@@ -161,11 +171,7 @@ def test_gateway_generate_bodies_pass_sglang_contract(case: dict[str, Any], stre
     for top in (0, 5):
         body = EngineClient.build_request(PROMPT, params, return_logprob=True, top_logprobs_num=top, rid=rid,
                                           stream=stream)
-        wire = json.loads(json.dumps(body))
-        try:
-            at.GenerateRequest.from_json_value(wire)
-        except at.JsonContractError as e:
-            pytest.fail(f"SGLang {SGLANG_VERSION} answers 400 to {wire}: {e}", pytrace=False)
+        _admitted(at, body)
 
 
 def test_gateway_image_bodies_pass_sglang_contract() -> None:
@@ -187,11 +193,7 @@ def test_gateway_image_bodies_pass_sglang_contract() -> None:
     for stream in (False, True):
         body = EngineClient.build_request(ids, _openai_params(_OPENAI_CASES[1]), rid="chatcmpl-1", stream=stream,
                                           images=images)
-        wire = json.loads(json.dumps(body))
-        try:
-            at.GenerateRequest.from_json_value(wire)
-        except at.JsonContractError as e:
-            pytest.fail(f"SGLang {SGLANG_VERSION} answers 400 to {wire}: {e}", pytrace=False)
+        wire = _admitted(at, body)
         assert wire["input_ids"] == [1, 2, pad, 3, pad, 4] and wire["image_data"] == urls
 
 
