@@ -130,13 +130,14 @@ class StoreContract:
     def test_heads_list_what_the_trajectories_list_and_ids_fetch_them_whole(self, store: TrajectoryStore) -> None:
         """The loop chooses a batch from heads (generating versions read from the stored bytes) and then reads
         the chosen whole: both must say what reading every trajectory whole says."""
-        versions = {"a": [3, 5, 4], "b": [-1, 2, -1], "c": [], "d": [7]}  # b: tokens of unknown version
+        versions = {"a": [3, 5, 4], "b": [-1, 2, -1], "c": [], "d": [7], "e": [6, 6]}  # b: some not generated
         ids = {}
         for name, vs in versions.items():
             store.create_session(name)
             t = _traj(name, [-0.5] * len(vs), response_id=f"chatcmpl-{name}")
-            t = t.model_copy(update={"weight_versions": [1] * 3 + vs})  # prompt tokens (mask 0) never count
-            ids[name] = _write(store, t).id
+            if name == "e":  # decoded under a grammar: generated, at loss mask 0 (Turn.grammar), and counted
+                t = t.model_copy(update={"loss_mask": [0] * len(t.tokens)})
+            ids[name] = _write(store, t.model_copy(update={"weight_versions": [-1] * 3 + vs})).id
         store.set_reward("a", reward=1.0, finish=True)
         store.set_reward("b", reward=0.0, finish=True)
         store.set_reward("c", reward=0.5)
@@ -145,7 +146,7 @@ class StoreContract:
                         {"status": "finished", "rewarded": True, "unconsumed": True}, {"limit": 2}):
             heads = store.list_heads(**filters)
             assert heads == [t.head() for t in store.list_trajectories(**filters)], filters
-        assert [h.min_version for h in store.list_heads()] == [3, 2, None, 7]
+        assert [h.min_version for h in store.list_heads()] == [3, 2, None, 7, 6]
         assert store.count_ready() == store.stats().unconsumed_finished_rewarded == 1  # b: a trained, c and d open
         assert store.count_open_rewarded_sessions() == 1  # c (d is open but unrewarded)
         wanted = [ids["d"], ids["a"], ids["c"]]

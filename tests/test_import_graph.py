@@ -190,7 +190,7 @@ def test_the_gateway_core_is_below_http() -> None:
 # optional extra, or is the HTTP layer (the core and the trainer must not load it for nothing).
 _DEFERRABLE = {"torch", "megatron", "ray", "transformers", "tokenizers", "safetensors", "gguf", "accelerate",
                "psycopg", "sglang", "sglang_router", "transformer_engine", "matplotlib", "pyarrow", "wandb",
-               "tensorboardX", "mcp", "openai", "jinja2", "fastapi", "starlette", "uvicorn"}
+               "tensorboardX", "mcp", "openai", "jinja2", "fastapi", "starlette", "uvicorn", "verifiers", "datasets"}
 
 
 def _top_and_deferred(mod: str) -> tuple[set[str], set[str], list[ast.ImportFrom]]:

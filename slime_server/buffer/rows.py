@@ -29,7 +29,7 @@ Row = Any
 TRAJ_COLUMNS = ("id, session_id, segment, branch, group_id, tokens, loss_mask, rollout_logprobs, "
                 "weight_versions, routed_experts, images, turns, messages, tools_digest, reward, turn_rewards, status, "
                 "consumed_step, consumed_job, metadata, revision, created_at, updated_at")
-HEAD_COLUMNS = "id, session_id, group_id, reward, created_at, updated_at, loss_mask, weight_versions"
+HEAD_COLUMNS = "id, session_id, group_id, reward, created_at, updated_at, weight_versions"
 SESSION_COLUMNS = "id, group_id, metadata, status, key_hash, owner, segment_splits, created_at, updated_at"
 
 
@@ -77,8 +77,7 @@ def head_from_row(row: Row) -> TrajectoryHead:
     """A trajectory's head from its row: the generating versions are read from the arrays' bytes directly."""
     return TrajectoryHead(id=row["id"], session_id=row["session_id"], group_id=row["group_id"], reward=row["reward"],
                           created_at=row["created_at"], updated_at=row["updated_at"],
-                          min_version=oldest_generating_version(np.frombuffer(row["weight_versions"], dtype="<i8"),
-                                                                np.frombuffer(row["loss_mask"], dtype="u1")))
+                          min_version=oldest_generating_version(np.frombuffer(row["weight_versions"], dtype="<i8")))
 
 
 def traj_params(t: Trajectory, revision: int, updated_at: float) -> dict[str, Any]:

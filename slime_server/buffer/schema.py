@@ -233,14 +233,16 @@ class Trajectory(BaseModel):
     def head(self) -> TrajectoryHead:
         return TrajectoryHead(id=self.id, session_id=self.session_id, group_id=self.group_id, reward=self.reward,
                               created_at=self.created_at, updated_at=self.updated_at,
-                              min_version=oldest_generating_version(self.weight_versions, self.loss_mask))
+                              min_version=oldest_generating_version(self.weight_versions))
 
 
-def oldest_generating_version(weight_versions: Any, loss_mask: Any) -> int | None:
-    """The oldest policy version that generated a token (loss mask 1, version known); None: none generated.
-    One rule for a trajectory in memory (lists) and for its stored row (the arrays' bytes, ``buffer/rows.py``)."""
+def oldest_generating_version(weight_versions: Any) -> int | None:
+    """The oldest policy version that generated a token (version known: context tokens have none); None: none
+    generated. A token decoded under a grammar counts though its loss mask is 0 (``Turn.grammar``: the trainer
+    rebuilds its masks and trains it): a job on forced tool calls must not see its episodes as empty. One rule for
+    a trajectory in memory (lists) and for its stored row (the arrays' bytes, ``buffer/rows.py``)."""
     versions = np.asarray(weight_versions, dtype=np.int64)
-    generated = versions[(np.asarray(loss_mask) == 1) & (versions >= 0)]
+    generated = versions[versions >= 0]
     return int(generated.min()) if generated.size else None
 
 

@@ -9,6 +9,7 @@ jobs, evaluation and standalone runs against any slime-server. Users add their o
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -126,3 +127,21 @@ def load_jsonl(path: str | Path) -> list[DatasetRow]:
                 except ValueError as e:
                     raise ValueError(f"{path}:{i}: not a dataset row ({e})") from e
     return rows
+
+
+def verifiers_module(env_id: str) -> str:
+    """verifiers' rule for an environment id: a hub id ``owner/name@version`` is the installed module ``name``
+    (``-`` as ``_``); a module path is itself. Checked at submit time without importing verifiers (seconds):
+    an environment that is not installed is a 400 that says so."""
+    name = env_id.split("@", 1)[0].split("/")[-1].replace("-", "_")
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or an empty name
+        found = False
+    if not found:
+        raise ValueError(f"verifiers environment {env_id!r} is not installed (no module {name!r}): pip install it "
+                         "(or `prime env install` a hub id) on the server")
+    if importlib.util.find_spec("verifiers") is None:
+        raise ValueError("data.source 'verifiers' needs the verifiers package on the server: "
+                         "pip install 'slime-server[verifiers]'")
+    return name

@@ -325,7 +325,7 @@ class JobManager:
 
         self.loop_hook(loop)
         driver = None
-        if spec.data.source == "dataset":
+        if spec.plays_episodes():
             if self.gateway_url is None:
                 raise JobError(400, "this server cannot run dataset jobs (no gateway URL)", "no_gateway")
             driver = DatasetDriver(spec, loop, self.gateway_url, self.api_key, lambda k, d: self._event(row.id, k, d),
@@ -336,7 +336,7 @@ class JobManager:
         run = _Running(loop, threading.Thread(target=self._run, args=(row.id,), name=f"job-{row.id}", daemon=True), tb,
                        evaluator)
         # rollout-only and file-fed jobs (SFT conversations, replay) consume nothing from the buffer
-        run.pacing = spec.pacing if spec.train and spec.data.source in ("live", "dataset") else None
+        run.pacing = spec.pacing if spec.train and (spec.data.source == "live" or spec.plays_episodes()) else None
         if driver is not None and not spec.train:
             run.rollout_only = lambda: driver.run(passes=spec.data.epochs)
         elif driver is not None:

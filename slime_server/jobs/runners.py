@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from slime_server.agents.runner import AgentRunner, RunnerSettings
@@ -40,14 +40,27 @@ class DatasetDriver:
     def __init__(self, spec: JobSpec, loop: TrainLoop, base_url: str, api_key: str | None,
                  on_event: Callable[[str, dict[str, Any]], None], adapter: str | None = None) -> None:
         d = spec.data
-        env = get_environment(d.environment or "")
-        self.rows = load_jsonl(d.dataset) if d.dataset else env.default_dataset(d.num_prompts, seed=d.seed)
+        settings = RunnerSettings(
+            base_url=base_url, api_key=api_key or "none", n_samples_per_prompt=spec.loop.n_samples_per_prompt,
+            concurrency=d.concurrency, temperature=d.temperature, max_tokens=d.max_tokens, adapter=adapter)
+        self.runner: Any
+        if d.source == "verifiers":
+            from slime_server.agents.verifiers_runner import (  # lazy: verifiers (4 s)
+                VerifiersRunner,
+                load,
+                rows_of,
+            )
+
+            env = load(d.environment or "", d.env_args)
+            self.rows: Sequence[Any] = rows_of(env, d.seed)
+            self.runner = VerifiersRunner(env, settings, d.sampling_args)
+        else:
+            builtin = get_environment(d.environment or "")
+            self.rows = load_jsonl(d.dataset) if d.dataset else builtin.default_dataset(d.num_prompts, seed=d.seed)
+            self.runner = AgentRunner(builtin, settings)
         if not self.rows:
             raise ValueError("the dataset has no rows")
         self.per_round = max(1, d.concurrency // spec.loop.n_samples_per_prompt)
-        self.runner = AgentRunner(env, RunnerSettings(
-            base_url=base_url, api_key=api_key or "none", n_samples_per_prompt=spec.loop.n_samples_per_prompt,
-            concurrency=d.concurrency, temperature=d.temperature, max_tokens=d.max_tokens, adapter=adapter))
         self.loop, self.on_event = loop, on_event
         self.adapter_first = adapter is not None and spec.train  # episodes start once the job's adapter is served
         self.episodes = 0
@@ -83,7 +96,9 @@ class DatasetDriver:
             self.episodes += summary.episodes
             self.on_event("episodes", {"episodes": summary.episodes, "total": self.episodes,
                                        "mean_reward": summary.mean_reward, "success_rate": summary.success_rate,
-                                       "errors": summary.errors, "version": self.loop.state.version})
+                                       "errors": summary.errors, "version": self.loop.state.version,
+                                       **({"metrics": self.runner.metric_means}
+                                          if getattr(self.runner, "metric_means", None) else {})})
 
 
 class Evaluator:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slime_server.buffer.job_store import JobRow
-from slime_server.envs.base import get_environment
+from slime_server.envs.base import get_environment, verifiers_module
 from slime_server.job_logging import WandbSpec
 from slime_server.trainer.advantages import AdvantageConfig, Estimator
 from slime_server.trainer.settings import (
@@ -35,12 +35,19 @@ class DataSpec(_Strict):
     """Where a job's batches come from.
 
     ``live``: whatever rewarded traffic reaches /v1. ``dataset``: the job also plays the environment's episodes
-    on its dataset through this server's /v1 (the agent runner, in-process). ``conversations``: an SFT file of
+    on its dataset through this server's /v1 (the agent runner, in-process). ``verifiers``: the same with a
+    verifiers environment's rollouts and rubric rewards (``agents/verifiers_runner.py``). ``conversations``: an SFT file of
     conversations (``algorithm: sft``). ``replay``: train-only on an export (``slime-server export``), with its
     recorded tokens, masks, log-probs and rewards."""
 
-    source: Literal["live", "dataset", "conversations", "replay"] = "live"
-    environment: str | None = Field(None, description="built-in name or module:attr (source=dataset)")
+    source: Literal["live", "dataset", "verifiers", "conversations", "replay"] = "live"
+    environment: str | None = Field(None, description="dataset: a built-in name or module:attr; verifiers: the "
+                                    "installed environment's module or hub id (owner/name)")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="verifiers: the arguments of the "
+                                     "environment's load_environment()")
+    sampling_args: dict[str, Any] = Field(default_factory=dict, description="verifiers: more fields for every "
+                                          "model call (e.g. top_p, tool_choice), over the environment's own; "
+                                          "temperature and max_tokens are data.temperature and data.max_tokens")
     dataset: str | None = Field(None, description="JSONL path: the environment's rows (default: generated), the "
                                 "conversations, or the export to replay")
     input_key: str = Field("messages", description="conversations: the field holding the messages (or, with "
@@ -54,7 +61,7 @@ class DataSpec(_Strict):
     replay_job: str | None = Field(None, description="replay: only the samples this job trained on, in its own "
                                    "batches and order (the export records each sample's job and step)")
     num_prompts: int = Field(256, ge=1, description="rows generated when no dataset is given")
-    seed: int = 0
+    seed: int = Field(0, description="the generated rows' seed (dataset), the rows' shuffle (verifiers)")
     concurrency: int = Field(8, ge=1, description="episodes in flight")
     temperature: float = Field(1.0, ge=0)
     max_tokens: int = Field(64, ge=1)
@@ -146,13 +153,14 @@ class JobSpec(_Strict):
             get_environment(self.data.environment)  # unknown names fail at submit time
             if self.data.dataset is not None and not Path(self.data.dataset).is_file():
                 raise ValueError(f"data.dataset {self.data.dataset!r} is not a file")
+        if self.plays_episodes():
             need = self.loop.batch_size + self.data.concurrency
             if self.train and self.pacing.max_buffered < need:
                 # the buffer holds < batch_size samples of complete groups plus the members of the groups
                 # in flight (< concurrency); a smaller limit can pace out the episodes that would complete a
                 # group while the trainer waits for complete groups: a deadlock
                 raise ValueError(f"pacing.max_buffered ({self.pacing.max_buffered}) must be >= loop.batch_size + "
-                                 f"data.concurrency ({need}) for a dataset job")
+                                 f"data.concurrency ({need}) for a job that plays episodes")
         if self.algorithm != "sft" and self.loop.n_samples_per_prompt == 1 and self.estimator() in GROUP_BASELINES:
             raise ValueError(f"algorithm {self.algorithm!r} subtracts its group's mean reward: with "
                              "loop.n_samples_per_prompt 1 every advantage is 0; use 'reinforce_plus_plus' (batch "
@@ -169,6 +177,21 @@ class JobSpec(_Strict):
 
     def _check_modes(self) -> None:
         d = self.data
+        if d.source == "verifiers":
+            if not d.environment:
+                raise ValueError("data.source 'verifiers' needs data.environment: an installed verifiers "
+                                 "environment's module or hub id (owner/name)")
+            verifiers_module(d.environment)  # not installed: a 400 now; its arguments are checked as it loads
+            if d.dataset is not None:
+                raise ValueError("a verifiers environment brings its own rows (its data.env_args choose them): "
+                                 "data.dataset is not read")
+            ours = sorted({"temperature", "max_tokens", "max_completion_tokens", "model", "messages", "tools", "n",
+                           "stream"} & set(d.sampling_args))
+            if ours:
+                raise ValueError(f"data.sampling_args {ours}: the job sets these (data.temperature, "
+                                 "data.max_tokens; the environment its messages and tools)")
+        elif d.env_args or d.sampling_args:
+            raise ValueError("data.env_args and data.sampling_args are for data.source 'verifiers'")
         if d.source in ("conversations", "replay"):
             if not d.dataset or not Path(d.dataset).is_file():
                 raise ValueError(f"data.source {d.source!r} needs data.dataset, a JSONL file "
@@ -181,14 +204,15 @@ class JobSpec(_Strict):
                              "'user'")
         if d.source == "conversations" and self.algorithm != "sft":
             raise ValueError("data.source 'conversations' trains supervised: set algorithm 'sft'")
-        if self.algorithm == "sft" and d.source in ("live", "dataset") and self.rejection is None:
+        if self.algorithm == "sft" and d.source in ("live", "dataset", "verifiers") and self.rejection is None:
             raise ValueError("algorithm 'sft' on played episodes is rejection sampling: set rejection "
                              "(e.g. {threshold: 1.0}), or train on data.source 'conversations' or 'replay'")
-        if self.rejection is not None and (self.algorithm != "sft" or d.source not in ("live", "dataset")):
+        if self.rejection is not None and (self.algorithm != "sft" or d.source not in ("live", "dataset", "verifiers")):
             raise ValueError("rejection sampling trains SFT on played episodes: algorithm 'sft' with data.source "
-                             "'dataset' or 'live'")
-        if not self.train and d.source != "dataset":
-            raise ValueError("train false (rollout-only) plays a dataset: data.source 'dataset' with an environment")
+                             "'dataset', 'verifiers' or 'live'")
+        if not self.train and not self.plays_episodes():
+            raise ValueError("train false (rollout-only) plays a dataset: data.source 'dataset' (or 'verifiers') "
+                             "with an environment")
         if d.replay_job is not None and d.source != "replay":
             raise ValueError("data.replay_job is for data.source 'replay'")
         for name, path in (("reference_model", self.reference_model), ("critic.init_from", self.critic.init_from)):
@@ -198,6 +222,10 @@ class JobSpec(_Strict):
             raise ValueError("reference_model is the KL term's reference: set loss.kl_coef or loop.advantage.kl_coef")
         if self.critic.init_from is not None and self.algorithm != "ppo":
             raise ValueError("critic.init_from is for algorithm 'ppo' (the only one with a critic)")
+
+    def plays_episodes(self) -> bool:
+        """Whether the job plays its own episodes through /v1 (an environment's rows) beside training."""
+        return self.data.source in ("dataset", "verifiers")
 
     def estimator(self) -> Estimator:
         if self.algorithm == "sft":

@@ -70,7 +70,7 @@ def attach_jobs(gw: Any, settings: ServerSettings, model_path: str, engine_urls:
 
     def make_trainer(spec: JobSpec) -> Any:
         # the policy's log-probs at its sampling temperature (RL); SFT's NLL is the model's own distribution's
-        sampled = spec.data.source == "dataset" and spec.data.temperature > 0 and spec.algorithm != "sft"
+        sampled = spec.plays_episodes() and spec.data.temperature > 0 and spec.algorithm != "sft"
         temperature = spec.data.temperature if sampled else 1.0
         cores = deployment.begin_training() if deployment is not None else (None, None)
         return start_trainer_group(model_path, tr, optimizer=spec.optimizer, loss=spec.loss_config(),

@@ -29,7 +29,7 @@ from slime_server.buffer.schema import Trajectory, TrajectoryHead, oldest_genera
 
 def min_version(t: Trajectory) -> int | None:
     """Version of the oldest policy that generated a token of ``t`` (None: nothing generated)."""
-    return oldest_generating_version(t.weight_versions, t.loss_mask)
+    return oldest_generating_version(t.weight_versions)
 
 
 class Selection(BaseModel):
