@@ -8,7 +8,9 @@ from the trainer's node to the engines' node, and the engines then report the jo
 The second test makes the addresses real: the head node (with the server and the trainer ranks) in one
 network namespace, the engines' node in another, joined by a veth link; Ray runs with its token, as the
 compose file and README's recipe start it, and ``serve`` is the command README gives. Nothing tells the
-pusher to broadcast: it chooses the distributed path because the engine's address is not local."""
+pusher to broadcast: it chooses the distributed path because the engine's address is not local. A LoRA job
+follows: each adapter version is written on the engines' host (a Ray task there) and loaded by path, since
+shared memory does not reach it."""
 
 from __future__ import annotations
 
@@ -150,33 +152,61 @@ DRIVER = textwrap.dedent("""
             pass
         time.sleep(0.5)
     model = admin.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+    LOOP = {"batch_size": 4, "max_steps": 3, "checkpoint_interval": 10, "poll_interval_s": 0.05}
+    PACING = {"max_buffered": 8, "retry_after_s": 0.25}
+
+    def events_of(job_id):
+        with admin.stream("GET", f"/jobs/{job_id}/events", params={"follow": "false"}) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+    def play(job_id, name):  # rewarded episodes on `name` until the job completes
+        i, t0 = 0, time.monotonic()
+        while (j := admin.get(f"/jobs/{job_id}").raise_for_status().json())["status"] != "completed":
+            assert j["status"] not in ("failed", "cancelled") and time.monotonic() - t0 < 300, j
+            sid = f"netns-{uuid.uuid4().hex[:10]}"
+            client = OpenAI(base_url=f"{base}/v1", api_key=agent, default_headers={"X-Session-Id": sid},
+                            max_retries=0)
+            while True:  # buffer pacing (429 + Retry-After) is waited out, as an agent would
+                try:
+                    client.chat.completions.create(model=name, max_tokens=6, temperature=1.0, seed=i,
+                                                   messages=[{"role": "user", "content": f"Count to {i % 7}."}])
+                    break
+                except RateLimitError as e:
+                    assert "buffer is full" in str(e) and time.monotonic() - t0 < 300, e
+                    time.sleep(float(e.response.headers.get("retry-after", "1")))
+            h = {"Authorization": f"Bearer {agent}"}
+            httpx.post(f"{base}/v1/sessions/{sid}/reward", json={"reward": random.random()},
+                       headers=h).raise_for_status()
+            httpx.post(f"{base}/v1/sessions/{sid}/close", headers=h).raise_for_status()
+            i += 1
+        return j
+
     job = admin.post("/jobs", json={"name": "netns", "algorithm": "reinforce_plus_plus", "optimizer": {"lr": 1e-3},
-                                    "loop": {"batch_size": 4, "max_steps": 3, "checkpoint_interval": 10,
-                                             "poll_interval_s": 0.05},
-                                    "pacing": {"max_buffered": 8, "retry_after_s": 0.25}}).raise_for_status().json()
-    i, t0 = 0, time.monotonic()
-    while (j := admin.get(f"/jobs/{job['id']}").raise_for_status().json())["status"] != "completed":
-        assert j["status"] not in ("failed", "cancelled") and time.monotonic() - t0 < 300, j
-        sid = f"netns-{uuid.uuid4().hex[:10]}"
-        client = OpenAI(base_url=f"{base}/v1", api_key=agent, default_headers={"X-Session-Id": sid}, max_retries=0)
-        while True:  # buffer pacing (429 + Retry-After) is waited out, as an agent would
-            try:
-                client.chat.completions.create(model=model, max_tokens=6, temperature=1.0, seed=i,
-                                               messages=[{"role": "user", "content": f"Count to {i % 7}."}])
-                break
-            except RateLimitError as e:
-                assert "buffer is full" in str(e) and time.monotonic() - t0 < 300, e
-                time.sleep(float(e.response.headers.get("retry-after", "1")))
-        h = {"Authorization": f"Bearer {agent}"}
-        httpx.post(f"{base}/v1/sessions/{sid}/reward", json={"reward": random.random()}, headers=h).raise_for_status()
-        httpx.post(f"{base}/v1/sessions/{sid}/close", headers=h).raise_for_status()
-        i += 1
-    with admin.stream("GET", f"/jobs/{job['id']}/events", params={"follow": "false"}) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+                                    "loop": LOOP, "pacing": PACING}).raise_for_status().json()
+    j = play(job["id"], model)
+    events = events_of(job["id"])
+    # a LoRA job: each adapter version reaches the engine on the other host as files on its disk (through Ray)
+    lora = admin.post("/jobs", json={"name": "netns-lora", "algorithm": "reinforce_plus_plus",
+                                     "optimizer": {"lr": 1e-3}, "lora": {"rank": 4, "name": "netns-lora"},
+                                     "loop": {**LOOP, "max_steps": 2}, "pacing": PACING}).raise_for_status().json()
+    t0 = time.monotonic()
+    while not any(e["kind"] == "adapter_published" for e in events_of(lora["id"])):  # version 0 (B = 0) served
+        assert time.monotonic() - t0 < 300, admin.get(f"/jobs/{lora['id']}").json()
+        time.sleep(0.5)
+    lora_job = play(lora["id"], f"{model}:netns-lora")
     engines = admin.get("/dashboard/api/engines").raise_for_status().json()["engines"]
     key = open(key_file).read().strip()
     url = engines[0]["url"]
+    # as an engine that restarted: it holds no adapter, and the gateway loads the alias's saved version again,
+    # staged on the engine's host as the trainer's versions were
+    rec = next(a for a in admin.get("/admin/adapters").raise_for_status().json()["data"] if a["alias"] == "netns-lora")
+    httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": rec["name"]},
+               headers={"Authorization": f"Bearer {key}"}, timeout=60).raise_for_status()
+    again = OpenAI(base_url=f"{base}/v1", api_key=agent, max_retries=0).chat.completions.create(
+        model=f"{model}:netns-lora", max_tokens=4, messages=[{"role": "user", "content": "Hi."}])
     res = {"job": j, "pushes": [e["data"] for e in events if e["kind"] == "weights_pushed"], "engines": engines,
+           "lora_job": lora_job, "reloaded": again.choices[0].finish_reason,
+           "published": [e["data"] for e in events_of(lora["id"]) if e["kind"] == "adapter_published"],
            "keyless": httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "x"}).status_code,
            "model_info": httpx.get(f"{url}/model_info", headers={"Authorization": f"Bearer {key}"}).json()}
     json.dump(res, open(out, "w"))
@@ -234,7 +264,8 @@ def test_job_across_two_network_namespaces(tiny_model_path: Path, tmp_path: Path
                                "SLIME_TRAINER__WORK_DIR": str(tmp_path / "jobs")}
             procs.append(_start(["ip", "netns", "exec", a, str(BIN / "slime-server"), "serve", "--ray-address", head,
                                  "--ray-auth-token-file", str(token), "--engine-host", "0.0.0.0", "--model",
-                                 str(tiny_model_path), "--num-engines", "1", "--port", "8000", "--api-key", AGENT,
+                                 str(tiny_model_path), "--num-engines", "1", "--enable-lora", "--port", "8000",
+                                 "--api-key", AGENT,
                                  "--admin-api-key", ADMIN, "--db-path", str(tmp_path / "db.sqlite"),
                                  "--log-dir", str(tmp_path / "logs")], serve_env, tmp_path / "serve.log", None))
             out = tmp_path / "result.json"
@@ -260,5 +291,10 @@ def test_job_across_two_network_namespaces(tiny_model_path: Path, tmp_path: Path
     (engine,) = res["engines"]
     assert httpx.URL(engine["url"]).host == f"{NET}.2" and engine["weight_version"] == "3"  # through the key
     assert res["model_info"]["weight_version"] == "3" and res["keyless"] == 401
+    assert res["lora_job"]["step"] == 2  # the LoRA job's versions, loaded by the engine from files on its host
+    assert [p["version"] for p in res["published"]] == [0, 1, 2]
+    assert {p["mode"] for p in res["published"]} == {"adapter-staged"} and all(p["bytes"] > 0 for p in res["published"])
+    assert res["reloaded"] in ("stop", "length")  # the saved version, loaded on the engine's host again
+    assert not list(Path(tempfile.gettempdir()).glob("slime-adapter-*"))  # each staged copy removed once loaded
     assert "ray::EngineActor" in seen[b] and "ray::EngineActor" not in seen[a]
     assert "ray::TrainerRank" in seen[a] and "ray::TrainerRank" not in seen[b]

@@ -34,7 +34,9 @@ from slime_server.gateway.engine_client import EngineClient, EngineError
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.threads import in_thread
+from slime_server.rollout.adapter_staging import directory_files, stage, unstage
 from slime_server.rollout.protocol import GenerateOutput
+from slime_server.utils.net import is_local_host
 
 log = logging.getLogger(__name__)
 TTL_S = 2.0
@@ -151,19 +153,33 @@ class AdapterDirectory:
         failed. The alias itself stays: its job (if it runs) publishes newer versions."""
         if record.saved_path is None or record.saved_name is None:
             return None
-        body = {"lora_name": record.saved_name, "lora_path": record.saved_path}
         try:
             urls = await self._workers()
             for url in urls:
-                answer = await self.engine.http.post(f"{url}/load_lora_adapter", json=body, timeout=300)
-                if answer.status_code != 200 and "already loaded" not in answer.text:
+                if not await self._load_saved_into(url, record.saved_name, record.saved_path):
                     return None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, OSError, RuntimeError):
             return None
         if not urls:
             return None
         self._at = -TTL_S  # the engines' list changed
         return AdapterRoute(record.alias, record.saved_name, record.saved_version)
+
+    async def _load_saved_into(self, url: str, name: str, path: str) -> bool:
+        """``/load_lora_adapter`` of a saved version into one engine (one that has it is fine); an engine on another
+        host gets the directory's files on its own disk first (rollout/adapter_staging.py: this process must be in
+        the engines' Ray cluster, as ``serve`` is)."""
+        host = httpx.URL(url).host
+        staged = None
+        if not await in_thread(is_local_host, host):
+            staged = await in_thread(stage, host, name, directory_files(path))
+        try:
+            answer = await self.engine.http.post(f"{url}/load_lora_adapter", timeout=300,
+                                                 json={"lora_name": name, "lora_path": staged or path})
+        finally:
+            if staged is not None:
+                await in_thread(unstage, host, staged)
+        return answer.status_code == 200 or "already loaded" in answer.text
 
     async def _moved(self, route: AdapterRoute) -> bool:
         """True when the alias of ``route`` points elsewhere now (``route`` updated to it)."""

@@ -74,6 +74,7 @@ class AdapterPublisher:
                 self.users.published(user, version)
             totals["seconds"] += float(stats.get("seconds") or 0.0)
             totals["bytes"] += int(stats.get("bytes") or 0)
+            totals["mode"] = stats.get("mode")  # adapter: by reference; adapter-staged: some engine loaded files
             if previous and previous != name:
                 threading.Thread(target=self._unload_later, args=(previous,), name=f"unload-{previous}",
                                  daemon=True).start()

@@ -5,11 +5,14 @@ while every request (the base's, other adapters', the older version's) keeps run
 loaded adapter in place, so each version gets a name of its own and the old one is unloaded after the gateway's
 alias has moved (``unload``, which the engine makes wait for that version's requests). The tensors go as one
 flattened bucket in shared memory, by reference (engines on this host); with ``verify`` also SGLang's
-``expected_checksums``, and the engine refuses an adapter whose bytes it did not receive exactly.
+``expected_checksums``, and the engine refuses an adapter whose bytes it did not receive exactly. An engine on
+another host gets the version as a PEFT directory on its own disk (rollout/adapter_staging.py, through Ray) and
+``/load_lora_adapter`` by path.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +21,11 @@ from typing import Any
 import httpx
 import torch
 
+from slime_server.lora_format import CONFIG_FILE, WEIGHTS_FILE
+from slime_server.rollout.adapter_staging import stage, unstage
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_tp_size
-from slime_server.rollout.protocol import LoadLoRAAdapterFromTensorsReqInput
+from slime_server.rollout.protocol import LoadLoRAAdapterFromTensorsReqInput, LoadLoRAAdapterReqInput
 from slime_server.trainer.weight_push import EnginePushStats, PushStats, WeightPushError, http_error_text
 from slime_server.utils.net import engine_limits, is_local_host
 from slime_server.weights import (
@@ -35,18 +40,23 @@ from slime_server.weights import (
 )
 
 
+def peft_files(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """The adapter as a PEFT directory's files (the bytes ``save_peft_adapter`` writes), to stage on another host."""
+    from safetensors.torch import save
+
+    return {WEIGHTS_FILE: save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"format": "pt"}),
+            CONFIG_FILE: json.dumps(config, indent=2).encode()}
+
+
 class AdapterPusher:
-    """Loads one job's adapter versions into a fixed set of engines on this host (the loop's EngineControl unloads
-    them: the engines make that wait for the version's requests, which the trainer must not)."""
+    """Loads one job's adapter versions into a fixed set of engines (the loop's EngineControl unloads them: the
+    engines make that wait for the version's requests, which the trainer must not)."""
 
     def __init__(self, engine_urls: Sequence[str], *, api_key: str | None = None, timeout: float = 600.0,
                  verify: bool = False) -> None:
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.verify = verify  # send sha256 sums (both sides hash every byte: ~40% of a SmolLM2 rank-16 push)
-        remote = [u for u in self.engine_urls if not is_local_host(httpx.URL(u).host)]
-        if remote:
-            raise RuntimeError(f"adapter pushes reach engines on this host only (shared memory), not {remote}; "
-                               "for engines elsewhere train with lora.publish = 'merged'")
+        self.remote = {u for u in self.engine_urls if not is_local_host(httpx.URL(u).host)}  # staged on their disk
         self._client = httpx.Client(timeout=timeout, headers=auth_headers(api_key), limits=engine_limits())
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)), thread_name_prefix="adapter-push")
         self._arena = SharedArena(shared=True)
@@ -85,10 +95,18 @@ class AdapterPusher:
             fill_flat(flat, named, metas)
         payload = serialize(flattened_payload(flat, metas))
         sums = {n: tensor_sha256(t) for n, t in named} if self.verify else None
+        files = peft_files(config, tensors) if self.remote else {}
         pack_s = time.perf_counter() - t0
         spent = dict.fromkeys(self.engine_urls, 0.0)
 
         def load(url: str) -> None:
+            if url in self.remote:
+                t = time.perf_counter()
+                try:
+                    self._load_staged(url, name, files)
+                finally:
+                    spent[url] = time.perf_counter() - t
+                return
             if url not in self._tp:  # an SGLang engine with --tp-size 2 takes one payload per rank
                 self._tp[url] = engine_tp_size(self._client, url, timeout=10) or 1
             body = LoadLoRAAdapterFromTensorsReqInput(lora_name=name, config_dict=config,
@@ -101,11 +119,21 @@ class AdapterPusher:
                 spent[url] = time.perf_counter() - t
 
         errors = self._on_all(load)
+        mode = "adapter-staged" if self.remote else "adapter"  # staged: some engine loaded it from its disk
         if errors:
             raise WeightPushError(name, {u: None if u in errors else name for u in self.engine_urls}, errors)
         total = time.perf_counter() - t0
         size = flat_size(metas)
-        return PushStats(version=name, sent=True, mode="adapter", tensors=len(named), bytes=size, buckets=1,
+        return PushStats(version=name, sent=True, mode=mode, tensors=len(named), bytes=size, buckets=1,
                          pack_seconds=pack_s, seconds=total, gbps=size / 1e9 / total if total else 0.0,
                          engines=[EnginePushStats(url=u, seconds=spent[u], gbps=size / 1e9 / spent[u] if spent[u]
                                                   else 0.0, weight_version=name) for u in self.engine_urls])
+
+    def _load_staged(self, url: str, name: str, files: dict[str, bytes]) -> None:
+        """An engine on another host: the version's PEFT files written on its disk, then loaded by path."""
+        host = httpx.URL(url).host
+        path = stage(host, name, files)
+        try:
+            self._post(url, "/load_lora_adapter", LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))
+        finally:
+            unstage(host, path)
