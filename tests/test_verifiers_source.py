@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,22 +27,32 @@ def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield running
 
 
-def submit(server: Any, data: dict[str, Any]) -> Any:
+def submit(server: Any, data: dict[str, Any], **more: Any) -> Any:
     body = {"name": "vf", "algorithm": "grpo", "optimizer": {"lr": 1e-3}, "loop": LOOP, "pacing": PACED,
-            "data": {"source": "verifiers", "concurrency": 4, **data}}
+            "data": {"source": "verifiers", "concurrency": 4, **data}, **more}
     with admin(server) as c:
         return c.post("/jobs", json=body)
 
 
-def train_three_steps(server: Any, data: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """Run the job to 3 steps and a push; its trained trajectories (whole groups of 2, the environment's)."""
+def evals_of(server: Any, job_id: str) -> list[dict[str, Any]]:
+    with admin(server) as c:
+        return c.get(f"/jobs/{job_id}/evals").raise_for_status().json()["data"]
+
+
+def train_three_steps(server: Any, data: dict[str, Any], **more: Any) -> tuple[dict[str, Any], list[Any]]:
+    """Run the job to 3 steps and a push (and, with eval sets, their rounds at steps 0 and 2); its trained
+    trajectories (whole groups of 2, the environment's)."""
     drain_pool(server)
-    r = submit(server, data)
+    r = submit(server, data, **more)
     assert r.status_code == 200, r.text
     j = r.json()
     j = wait_job(server, j["id"], lambda j: j["step"] >= 3, timeout=240)
     assert wait_event(server, j["id"], "weights_pushed")["data"]["bytes"] > 0
     episodes = wait_event(server, j["id"], "episodes")["data"]
+    deadline = time.monotonic() + 120
+    while more.get("eval") and not {0, 2} <= {e["step"] for e in evals_of(server, j["id"])}:
+        assert time.monotonic() < deadline, evals_of(server, j["id"])
+        time.sleep(0.3)
     cancel(server, j["id"])
     store = server.gateway.server.config.app.state.gw.store
     env = f"verifiers:{data['environment']}"
@@ -52,12 +63,25 @@ def train_three_steps(server: Any, data: dict[str, Any]) -> tuple[dict[str, Any]
         by_group[t.group_id or t.id] = by_group.get(t.group_id or t.id, 0) + 1
     assert len(by_group) >= 3 * 4 // 2 and set(by_group.values()) == {2}  # 3 steps of 4 samples, whole groups
     assert episodes["errors"] == 0
-    return episodes, trained
+    return {**episodes, "job": j["id"]}, trained
 
 
 def test_single_turn_environment_trains_on_its_rubric(server: Any) -> None:
+    """... and is evaluated on a verifiers environment's rows (4, greedy, before training and after step 2):
+    serve-only sessions, never rewarded."""
+    held_out = {"name": "vf-held", "source": "verifiers", "environment": "slime_server.envs.vf_reverse_text",
+                "env_args": {"num_rows": 8, "seed": 99}, "num_prompts": 4, "every_steps": 2, "max_tokens": 16}
     episodes, trained = train_three_steps(server, {"environment": "slime_server.envs.vf_reverse_text",
-                                                   "env_args": {"num_rows": 32, "seed": 3}, "max_tokens": 16})
+                                                   "env_args": {"num_rows": 32, "seed": 3}, "max_tokens": 16},
+                                          eval=[held_out])
+    evals = {e["step"]: e for e in evals_of(server, episodes["job"])}
+    assert all(evals[s]["name"] == "vf-held" and evals[s]["episodes"] == 4 and evals[s]["errors"] == 0
+               for s in (0, 2))
+    assert 0 < evals[0]["mean_reward"] < 1  # the reverse-text rubric's share, greedy
+    store = server.gateway.server.config.app.state.gw.store
+    evaluated = [t for t in store.list_trajectories(limit=10_000)
+                 if store.get_session(t.session_id).metadata.get("serve_only")]
+    assert len(evaluated) >= 8 and all(t.reward is None for t in evaluated)
     for t in trained:  # the session's reward is the rubric's: reverse-text's LCS ratio of the recorded answer
         user, answer = t.messages[-2], t.messages[-1]
         assert [m.role for m in t.messages] == ["system", "user", "assistant"] and len(t.turns) == 1
@@ -105,6 +129,9 @@ def test_an_unknown_environment_or_bad_arguments_is_a_400_naming_it(server: Any)
     for data, message in cases:
         r = submit(server, data)
         assert r.status_code == 400 and message in r.json()["error"]["message"], (data, r.text)
+    unknown = {"name": "x", "source": "verifiers", "environment": "no-such-env"}
+    r = submit(server, {"environment": "slime_server.envs.vf_reverse_text"}, eval=[unknown])
+    assert r.status_code == 400 and "'no-such-env' is not installed" in r.json()["error"]["message"], r.text
     with admin(server) as c:
         r = c.post("/jobs", json={"data": {"source": "dataset", "environment": "calculator", "env_args": {"a": 1}}})
     assert r.status_code == 400 and "for data.source 'verifiers'" in r.json()["error"]["message"]

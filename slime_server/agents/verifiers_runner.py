@@ -24,15 +24,22 @@ import statistics
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import verifiers as vf
 from openai import AsyncOpenAI, RateLimitError
-from verifiers.clients.openai_chat_completions_client import OpenAIChatCompletionsClient
 
-from slime_server.agents.runner import EpisodeCut, EpisodeResult, Flag, RunnerSettings, RunSummary, _post
-from slime_server.envs.base import verifiers_module
+SUPPORTED = "0.3"  # the release line whose environment API this runner speaks (pinned in pyproject's extra)
+if not vf.__version__.startswith(SUPPORTED + "."):  # before its modules are read: another line has other ones
+    raise ImportError(f"verifiers {vf.__version__} is installed; data.source 'verifiers' speaks the {SUPPORTED}.x "
+                      f"environment API (pip install 'verifiers=={SUPPORTED}.*')")
+
+from verifiers.clients.openai_chat_completions_client import OpenAIChatCompletionsClient  # noqa: E402
+
+from slime_server.agents.runner import EpisodeCut, EpisodeResult, Flag, RunnerSettings, RunSummary, _post  # noqa: E402
+from slime_server.envs.base import verifiers_module  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +60,10 @@ class _SignalsStayTheServers:
 
 importlib.import_module("verifiers.envs.environment").signal = _SignalsStayTheServers()
 
-SUPPORTED = "0.3"  # the release line whose environment API this runner speaks (pinned in pyproject's extra)
-
 
 def load(env_id: str, env_args: dict[str, Any]) -> Any:
     """The environment, or a ValueError that names what is wrong: not installed, arguments its
     ``load_environment`` does not take, or its own refusal of their values."""
-    if not vf.__version__.startswith(SUPPORTED + "."):
-        raise ValueError(f"verifiers {vf.__version__} is installed; data.source 'verifiers' speaks the "
-                         f"{SUPPORTED}.x environment API (pip install 'verifiers=={SUPPORTED}.*')")
     name = verifiers_module(env_id)
     factory = getattr(importlib.import_module(name), "load_environment", None)
     if factory is None:
@@ -91,6 +93,14 @@ def rows_of(env: Any, seed: int) -> list[dict[str, Any]]:
     else:
         ds = env.get_eval_dataset(seed=seed)
     return [dict(r) for r in ds]
+
+
+def eval_rows_of(env: Any, n: int, seed: int) -> list[dict[str, Any]]:
+    """An eval set's rows: ``n`` of the environment's eval rows (its training rows when it has none), the same
+    ones at every round (shuffled by ``seed``)."""
+    if env.eval_dataset_source is not None or env.eval_dataset is not None:
+        return [dict(r) for r in env.get_eval_dataset(n=n, seed=seed)]
+    return [dict(r) for r in env.get_dataset(n=n, seed=seed)]
 
 
 def _retry_after(e: RateLimitError) -> float:
@@ -141,13 +151,25 @@ def _final_text(state: Any) -> str:
     return ""
 
 
+@dataclass(eq=False)
+class _Played:
+    """One rollout as played: its session, the environment's state, why it failed (no reward), or cut (the run
+    was stopped: neither a failure nor rewarded)."""
+
+    sid: str = ""
+    state: Any = None
+    error: str | None = None
+    cut: bool = False
+
+
 class VerifiersRunner:
     """Plays rows of a verifiers environment as GRPO groups through a server's /v1 (``run``, as ``AgentRunner``)."""
 
     def __init__(self, env: Any, settings: RunnerSettings, sampling_args: dict[str, Any] | None = None) -> None:
         self.env, self.settings = env, settings
         self.sampling = {**env.sampling_args, **(sampling_args or {}),
-                         "temperature": settings.temperature, "max_tokens": settings.max_tokens}
+                         "temperature": settings.temperature, "max_tokens": settings.max_tokens,
+                         **({"metadata": {"serve_only": "true"}} if settings.serve_only else {})}
         self.metric_means: dict[str, float] = {}  # the rubric's functions, averaged over the last run's episodes
 
     async def run(self, rows: Sequence[dict[str, Any]], *, stop: Flag | None = None) -> RunSummary:
@@ -162,7 +184,8 @@ class VerifiersRunner:
             if s.adapter:
                 model = f"{model}:{s.adapter}"
             sem = asyncio.Semaphore(s.concurrency)
-            groups = await asyncio.gather(*(self._group(sem, stop, http, rest, model, row) for row in rows))
+            groups = await asyncio.gather(*(self._group(sem, stop, http, rest, model, row, i)
+                                            for i, row in enumerate(rows)))
         finally:
             await rest.aclose()
             await http.aclose()
@@ -179,48 +202,72 @@ class VerifiersRunner:
                           results=results, cut=len(results) - len(done))
 
     async def _group(self, sem: asyncio.Semaphore, stop: Flag | None, http: httpx.AsyncClient,
-                     rest: httpx.AsyncClient, model: str, row: dict[str, Any],
+                     rest: httpx.AsyncClient, model: str, row: dict[str, Any], index: int,
                      ) -> tuple[list[EpisodeResult], list[dict[str, float]]]:
         s = self.settings
         group = f"grp-{uuid.uuid4().hex[:12]}"
-        played = await asyncio.gather(*(self._rollout(sem, stop, http, rest, model, row, group)
-                                        for _ in range(s.n_samples_per_prompt)))
-        scored = [(sid, st) for sid, st in played if st is not None and not _cut(st) and _failure(st) is None]
+        n = s.n_samples_per_prompt
+        played = await asyncio.gather(*(self._rollout(sem, stop, http, rest, model, row, group,
+                                                      None if s.seed is None else s.seed + index * n + k)
+                                        for k in range(n)))
+        scored = [p for p in played if p.state is not None and not p.cut and p.error is None]
         if scored:  # the rubric over the whole group at once (group reward functions compare its members)
-            await self.env.rubric.score_group([st for _, st in scored])
-        results: list[EpisodeResult] = []
-        for sid, st in played:
-            cut = st is None or _cut(st)
-            error = None if cut else _failure(st)
-            reward = float(st["reward"] or 0.0) if (not cut and error is None) else 0.0
             try:
-                if s.post_rewards and sid and not cut and error is None:
-                    await _post(rest, f"/sessions/{sid}/reward", {"reward": reward, "idempotency_key": f"{sid}-final"})
-                if sid:
-                    await _post(rest, f"/sessions/{sid}/close", {})
+                await self.env.rubric.score_group([p.state for p in scored])
+            except Exception as e:  # noqa: BLE001 - the environment's rubric raised: the group has no rewards
+                log.warning("verifiers rubric failed on group %s: %r", group, e)
+                for p in scored:
+                    p.error = f"the rubric failed: {e!r}"[:500]
+                scored = []
+        results: list[EpisodeResult] = []
+        for p in played:
+            reward = float(p.state["reward"] or 0.0) if p in scored else 0.0
+            try:
+                if s.post_rewards and p in scored:
+                    await _post(rest, f"/sessions/{p.sid}/reward", {"reward": reward,
+                                                                   "idempotency_key": f"{p.sid}-final"})
+                if p.sid:
+                    await _post(rest, f"/sessions/{p.sid}/close", {})
             except Exception as e:  # noqa: BLE001 - one episode's failure is its own
-                error = error or repr(e)[:500]
+                p.error = p.error or repr(e)[:500]
+            st = p.state
             if st is not None:
-                await self.env.rubric.cleanup(st)
+                with contextlib.suppress(Exception):  # the environment's cleanup: its own business
+                    await self.env.rubric.cleanup(st)
             results.append(EpisodeResult(
-                session_id=sid, group_id=group, reward=reward, cut=cut, error=error,
+                session_id=p.sid, group_id=group, reward=reward, cut=p.cut, error=None if p.cut else p.error,
                 turns=len(st["trajectory"]) if st is not None else 0,
                 tool_calls=int((st.get("metrics") or {}).get("total_tool_calls", 0)) if st is not None else 0,
                 final_text=_final_text(st) if st is not None else ""))
-        return results, [st.get("metrics") or {} for _, st in scored]
+        return results, [p.state.get("metrics") or {} for p in scored]
 
     async def _rollout(self, sem: asyncio.Semaphore, stop: Flag | None, http: httpx.AsyncClient,
-                       rest: httpx.AsyncClient, model: str, row: dict[str, Any], group: str) -> tuple[str, Any]:
+                       rest: httpx.AsyncClient, model: str, row: dict[str, Any], group: str,
+                       seed: int | None) -> _Played:
         s = self.settings
         async with sem:
             if stop is not None and stop.is_set():  # not started: no session is opened for it
-                return "", None
+                return _Played(cut=True)
             meta = {"env": f"verifiers:{self.env.env_id}", "example_id": row.get("example_id"),
                     **({"serve_only": True} if s.serve_only else {})}
-            sid = (await _post(rest, "/sessions", {"group_id": group, "metadata": meta})).json()["id"]
+            try:
+                sid = (await _post(rest, "/sessions", {"group_id": group, "metadata": meta})).json()["id"]
+            except Exception as e:  # noqa: BLE001 - the server did not take the session: this episode failed
+                return _Played(error=repr(e)[:500])
             client = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, http_client=http, max_retries=s.max_retries,
                                  default_headers={"X-Session-Id": sid})
-            state = await self.env.rollout(row, SessionClient(client, stop), model, dict(self.sampling))
-            if _failure(state) is not None and not _cut(state):
-                log.warning("verifiers rollout %s failed: %s", sid, _failure(state))
-            return sid, state
+            try:
+                sampling = {**self.sampling, **({"seed": seed} if seed is not None else {})}  # every turn's
+                state = await self.env.rollout(row, SessionClient(client, stop), model, sampling)
+            except Exception as e:  # noqa: BLE001 - the environment's own code raised: its episode failed
+                cut = stop is not None and stop.is_set()
+                if not cut:
+                    log.warning("verifiers rollout %s raised: %r", sid, e)
+                return _Played(sid, error=repr(e)[:500], cut=cut)
+            if _cut(state):
+                return _Played(sid, state, cut=True)
+            error = _failure(state)
+            if error is not None:
+                log.warning("verifiers rollout %s failed: %s", sid, error)
+            return _Played(sid, state, error)
+

@@ -116,6 +116,7 @@ class Evaluator:
         self._thread: threading.Thread | None = None
         self._pending: tuple[list[EvalSpec], int, int] | None = None  # the newest round that came due meanwhile
         self._cut = threading.Event()  # set by close: the round in progress stops where it is
+        self._loaded: dict[str, Any] = {}  # eval set name -> its verifiers environment, loaded at its first round
 
     def maybe_run(self, step: int, version: int) -> None:
         due = [e for e in self.specs if step % e.every_steps == 0]
@@ -152,6 +153,23 @@ class Evaluator:
         if thread is not None:
             thread.join(timeout)
 
+    def _set(self, e: EvalSpec, settings: RunnerSettings) -> tuple[Sequence[Any], Any]:
+        """An eval set's rows and the runner that plays them (a verifiers environment is loaded once per job)."""
+        if e.source == "verifiers":
+            from slime_server.agents.verifiers_runner import (  # lazy: verifiers
+                VerifiersRunner,
+                eval_rows_of,
+                load,
+            )
+
+            env = self._loaded.get(e.name)
+            if env is None:
+                env = self._loaded[e.name] = load(e.environment, e.env_args)
+            return eval_rows_of(env, e.num_prompts, e.seed), VerifiersRunner(env, settings)
+        env = get_environment(e.environment)
+        rows = load_jsonl(e.dataset)[: e.num_prompts] if e.dataset else env.default_dataset(e.num_prompts, seed=e.seed)
+        return rows, AgentRunner(env, settings)
+
     def _loop(self, specs: list[EvalSpec], step: int, version: int) -> None:
         job: tuple[list[EvalSpec], int, int] | None = (specs, step, version)
         while job is not None:
@@ -164,13 +182,15 @@ class Evaluator:
     def _run(self, specs: list[EvalSpec], step: int, version: int) -> None:
         try:
             for e in specs:
-                env = get_environment(e.environment)
-                rows = load_jsonl(e.dataset)[: e.num_prompts] if e.dataset else env.default_dataset(e.num_prompts,
-                                                                                                      seed=e.seed)
-                runner = AgentRunner(env, RunnerSettings(
+                settings = RunnerSettings(
                     base_url=self.base_url or "", api_key=self.api_key or "none", n_samples_per_prompt=1,
                     concurrency=e.concurrency, temperature=e.temperature, max_tokens=e.max_tokens, seed=e.seed,
-                    post_rewards=False, serve_only=True, adapter=self.adapter))
+                    post_rewards=False, serve_only=True, adapter=self.adapter)
+                try:
+                    rows, runner = self._set(e, settings)
+                except Exception as exc:  # noqa: BLE001 - an environment that does not load is this set's failure
+                    self.on_event("eval_failed", {"name": e.name, "step": step, "error": repr(exc)[:500]})
+                    continue
                 try:
                     summary = asyncio.run(runner.run(rows, stop=_Either(self._job_stop, self._cut)))
                 except Exception as exc:  # noqa: BLE001 - reported, never kills the job

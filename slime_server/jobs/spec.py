@@ -77,7 +77,11 @@ class EvalSpec(_Strict):
     seeds: the same random numbers for every policy version), serve-only, never trained on."""
 
     name: str = Field(min_length=1, max_length=100)
+    source: Literal["environment", "verifiers"] = Field("environment", description="environment: a built-in or "
+                                                        "module:attr environment; verifiers: a verifiers "
+                                                        "environment, its eval rows (its training rows if it has none)")
     environment: str
+    env_args: dict[str, Any] = Field(default_factory=dict, description="verifiers: its load_environment() arguments")
     dataset: str | None = Field(None, description="JSONL path; default: the environment's generated rows")
     num_prompts: int = Field(32, ge=1)
     seed: int = 12345
@@ -88,6 +92,13 @@ class EvalSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> EvalSpec:
+        if self.source == "verifiers":
+            verifiers_module(self.environment)
+            if self.dataset is not None:
+                raise ValueError("a verifiers eval set plays the environment's own eval rows: no dataset")
+            return self
+        if self.env_args:
+            raise ValueError("env_args are for an eval set with source 'verifiers'")
         get_environment(self.environment)
         if self.dataset is not None and not Path(self.dataset).is_file():
             raise ValueError(f"eval dataset {self.dataset!r} is not a file")

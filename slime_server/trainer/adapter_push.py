@@ -12,7 +12,6 @@ another host gets the version as a PEFT directory on its own disk (rollout/adapt
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,11 +20,11 @@ from typing import Any
 import httpx
 import torch
 
-from slime_server.lora_format import CONFIG_FILE, WEIGHTS_FILE
 from slime_server.rollout.adapter_staging import stage, unstage
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_tp_size
 from slime_server.rollout.protocol import LoadLoRAAdapterFromTensorsReqInput, LoadLoRAAdapterReqInput
+from slime_server.trainer.peft_io import peft_files
 from slime_server.trainer.weight_push import EnginePushStats, PushStats, WeightPushError, http_error_text
 from slime_server.utils.net import engine_limits, is_local_host
 from slime_server.weights import (
@@ -38,14 +37,6 @@ from slime_server.weights import (
     serialize,
     tensor_sha256,
 )
-
-
-def peft_files(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
-    """The adapter as a PEFT directory's files (the bytes ``save_peft_adapter`` writes), to stage on another host."""
-    from safetensors.torch import save
-
-    return {WEIGHTS_FILE: save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"format": "pt"}),
-            CONFIG_FILE: json.dumps(config, indent=2).encode()}
 
 
 class AdapterPusher:

@@ -79,19 +79,27 @@ def adapter_config(settings: LoRASettings, base_model: str) -> dict[str, Any]:
     }
 
 
+def peft_files(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """A PEFT directory's files (name -> bytes): the config and the tensors by PEFT name. What ``save_peft_adapter``
+    writes, and what an adapter push stages on an engine's host (rollout/adapter_staging.py)."""
+    from safetensors.torch import save
+
+    return {WEIGHTS_FILE: save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"format": "pt"}),
+            CONFIG_FILE: json.dumps(config, indent=2).encode()}
+
+
 def save_peft_adapter(directory: str | Path, model: nn.Module, settings: LoRASettings, base_model: str,
                       adapter: int | None = None) -> Path:
     """Write the adapter (``adapter`` of a multi-adapter trainer) as a PEFT directory (collective; global rank 0
     writes). Returns ``directory``."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     tensors = peft_state_dict(model, adapter)
     out = Path(directory)
     if not dist.is_initialized() or dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        (out / CONFIG_FILE).write_text(json.dumps(adapter_config(settings, base_model), indent=2))
+        for name, data in peft_files(adapter_config(settings, base_model), tensors).items():
+            (out / name).write_bytes(data)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return out
