@@ -86,21 +86,14 @@ def load(env_id: str, env_args: dict[str, Any]) -> Any:
     return env
 
 
-def rows_of(env: Any, seed: int) -> list[dict[str, Any]]:
-    """The environment's training rows (its eval rows when it has no training set), shuffled by the job's seed."""
-    if env.dataset_source is not None or env.dataset is not None:
-        ds = env.get_dataset(seed=seed)
-    else:
-        ds = env.get_eval_dataset(seed=seed)
+def rows_of(env: Any, seed: int, n: int = -1, *, split: str = "train") -> list[dict[str, Any]]:
+    """``n`` (-1: all) of the environment's ``split`` rows ("train" or "eval"; the other split when it has none),
+    shuffled by ``seed``: the same rows for the same seed (an eval set's at every round)."""
+    has = {"train": env.dataset_source is not None or env.dataset is not None,
+           "eval": env.eval_dataset_source is not None or env.eval_dataset is not None}
+    use_eval = has["eval"] if split == "eval" else not has["train"]
+    ds = env.get_eval_dataset(n=n, seed=seed) if use_eval else env.get_dataset(n=n, seed=seed)
     return [dict(r) for r in ds]
-
-
-def eval_rows_of(env: Any, n: int, seed: int) -> list[dict[str, Any]]:
-    """An eval set's rows: ``n`` of the environment's eval rows (its training rows when it has none), the same
-    ones at every round (shuffled by ``seed``)."""
-    if env.eval_dataset_source is not None or env.eval_dataset is not None:
-        return [dict(r) for r in env.get_eval_dataset(n=n, seed=seed)]
-    return [dict(r) for r in env.get_dataset(n=n, seed=seed)]
 
 
 def _retry_after(e: RateLimitError) -> float:

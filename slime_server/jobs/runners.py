@@ -156,16 +156,12 @@ class Evaluator:
     def _set(self, e: EvalSpec, settings: RunnerSettings) -> tuple[Sequence[Any], Any]:
         """An eval set's rows and the runner that plays them (a verifiers environment is loaded once per job)."""
         if e.source == "verifiers":
-            from slime_server.agents.verifiers_runner import (  # lazy: verifiers
-                VerifiersRunner,
-                eval_rows_of,
-                load,
-            )
+            from slime_server.agents.verifiers_runner import VerifiersRunner, load, rows_of  # lazy: verifiers
 
             env = self._loaded.get(e.name)
             if env is None:
                 env = self._loaded[e.name] = load(e.environment, e.env_args)
-            return eval_rows_of(env, e.num_prompts, e.seed), VerifiersRunner(env, settings)
+            return rows_of(env, e.seed, e.num_prompts, split="eval"), VerifiersRunner(env, settings)
         env = get_environment(e.environment)
         rows = load_jsonl(e.dataset)[: e.num_prompts] if e.dataset else env.default_dataset(e.num_prompts, seed=e.seed)
         return rows, AgentRunner(env, settings)

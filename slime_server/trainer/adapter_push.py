@@ -77,35 +77,24 @@ class AdapterPusher:
         t0 = time.perf_counter()
         named = sorted(tensors.items())
         metas = layout_of(named)
-        flat = self._arena.buffer(0, flat_size(metas))
-        dtypes = {t.dtype for _, t in named}
-        if len(dtypes) == 1 and all(a.end_idx == b.start_idx for a, b in zip(metas, metas[1:], strict=False)):
-            # one dtype, no gaps: one concatenation into the bucket instead of a copy per tensor (hundreds)
-            torch.cat([t.detach().reshape(-1) for _, t in named], out=flat.view(dtypes.pop()))
-        else:
-            fill_flat(flat, named, metas)
-        payload = serialize(flattened_payload(flat, metas))
-        sums = {n: tensor_sha256(t) for n, t in named} if self.verify else None
+        local = any(u not in self.remote for u in self.engine_urls)
+        payload = self._shared_payload(named, metas) if local else ""  # the bucket only engines here can map
+        sums = {n: tensor_sha256(t) for n, t in named} if self.verify and local else None
         files = peft_files(config, tensors) if self.remote else {}
         pack_s = time.perf_counter() - t0
         spent = dict.fromkeys(self.engine_urls, 0.0)
 
         def load(url: str) -> None:
-            if url in self.remote:
-                t = time.perf_counter()
-                try:
-                    self._load_staged(url, name, files)
-                finally:
-                    spent[url] = time.perf_counter() - t
-                return
-            if url not in self._tp:  # an SGLang engine with --tp-size 2 takes one payload per rank
-                self._tp[url] = engine_tp_size(self._client, url, timeout=10) or 1
-            body = LoadLoRAAdapterFromTensorsReqInput(lora_name=name, config_dict=config,
-                                                      serialized_named_tensors=[payload] * self._tp[url],
-                                                      load_format=FLATTENED_BUCKET, expected_checksums=sums)
             t = time.perf_counter()
             try:
-                self._post(url, "/load_lora_adapter_from_tensors", body)
+                if url in self.remote:
+                    self._load_staged(url, name, files)
+                    return
+                if url not in self._tp:  # an SGLang engine with --tp-size 2 takes one payload per rank
+                    self._tp[url] = engine_tp_size(self._client, url, timeout=10) or 1
+                self._post(url, "/load_lora_adapter_from_tensors", LoadLoRAAdapterFromTensorsReqInput(
+                    lora_name=name, config_dict=config, serialized_named_tensors=[payload] * self._tp[url],
+                    load_format=FLATTENED_BUCKET, expected_checksums=sums))
             finally:
                 spent[url] = time.perf_counter() - t
 
@@ -119,6 +108,17 @@ class AdapterPusher:
                          pack_seconds=pack_s, seconds=total, gbps=size / 1e9 / total if total else 0.0,
                          engines=[EnginePushStats(url=u, seconds=spent[u], gbps=size / 1e9 / spent[u] if spent[u]
                                                   else 0.0, weight_version=name) for u in self.engine_urls])
+
+    def _shared_payload(self, named: list[tuple[str, torch.Tensor]], metas: list[Any]) -> str:
+        """The tensors as one flattened bucket in this host's shared memory, serialized by reference."""
+        flat = self._arena.buffer(0, flat_size(metas))
+        dtypes = {t.dtype for _, t in named}
+        if len(dtypes) == 1 and all(a.end_idx == b.start_idx for a, b in zip(metas, metas[1:], strict=False)):
+            # one dtype, no gaps: one concatenation into the bucket instead of a copy per tensor (hundreds)
+            torch.cat([t.detach().reshape(-1) for _, t in named], out=flat.view(dtypes.pop()))
+        else:
+            fill_flat(flat, named, metas)
+        return serialize(flattened_payload(flat, metas))
 
     def _load_staged(self, url: str, name: str, files: dict[str, bytes]) -> None:
         """An engine on another host: the version's PEFT files written on its disk, then loaded by path."""
