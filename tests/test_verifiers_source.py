@@ -72,13 +72,15 @@ def test_single_turn_environment_trains_on_its_rubric(server: Any) -> None:
     held_out = {"name": "vf-held", "source": "verifiers", "environment": "slime_server.envs.vf_reverse_text",
                 "env_args": {"num_rows": 8, "seed": 99}, "num_prompts": 4, "every_steps": 2, "max_tokens": 16}
     episodes, trained = train_three_steps(server, {"environment": "slime_server.envs.vf_reverse_text",
-                                                   "env_args": {"num_rows": 32, "seed": 3}, "max_tokens": 16},
-                                          eval=[held_out])
+                                                   "env_args": {"num_rows": 32, "seed": 3}, "max_tokens": 16,
+                                                   "num_prompts": 5}, eval=[held_out])
+    store = server.gateway.server.config.app.state.gw.store
+    rows = {store.get_session(t.session_id).metadata["example_id"] for t in trained}
+    assert len(rows) <= 5  # data.num_prompts: 5 of the 32 rows (else 6+ trained groups, each its own row)
     evals = {e["step"]: e for e in evals_of(server, episodes["job"])}
     assert all(evals[s]["name"] == "vf-held" and evals[s]["episodes"] == 4 and evals[s]["errors"] == 0
                for s in (0, 2))
     assert 0 < evals[0]["mean_reward"] < 1  # the reverse-text rubric's share, greedy
-    store = server.gateway.server.config.app.state.gw.store
     evaluated = [t for t in store.list_trajectories(limit=10_000)
                  if store.get_session(t.session_id).metadata.get("serve_only")]
     assert len(evaluated) >= 8 and all(t.reward is None for t in evaluated)

@@ -52,7 +52,8 @@ class DatasetDriver:
             )
 
             env = load(d.environment or "", d.env_args)
-            self.rows: Sequence[Any] = rows_of(env, d.seed)
+            n = d.num_prompts if "num_prompts" in d.model_fields_set else -1  # set: at most that many rows
+            self.rows: Sequence[Any] = rows_of(env, d.seed, n)
             self.runner = VerifiersRunner(env, settings, d.sampling_args)
         else:
             builtin = get_environment(d.environment or "")

@@ -60,7 +60,8 @@ class DataSpec(_Strict):
                         "passes over the rows, each played n_samples_per_prompt times")
     replay_job: str | None = Field(None, description="replay: only the samples this job trained on, in its own "
                                    "batches and order (the export records each sample's job and step)")
-    num_prompts: int = Field(256, ge=1, description="rows generated when no dataset is given")
+    num_prompts: int = Field(256, ge=1, description="rows generated when no dataset is given; verifiers: when "
+                             "set, at most this many of the environment's rows (after the seed's shuffle)")
     seed: int = Field(0, description="the generated rows' seed (dataset), the rows' shuffle (verifiers)")
     concurrency: int = Field(8, ge=1, description="episodes in flight")
     temperature: float = Field(1.0, ge=0)
