@@ -29,14 +29,17 @@ class AdapterTrainer(RecordingTrainer):
         super().__init__()
         self.adapter_pushes: list[tuple[list[str], str, int | None]] = []
         self.saved: list[tuple[str, int | None]] = []
+        self.with_adam: list[str] = []  # saved with their Adam moments and count (a user giving up a slot)
         self.slots_set: list[tuple[int, str | None]] = []
 
     def push_adapter(self, urls, name, adapter=None):
         self.adapter_pushes.append((list(urls), name, adapter))
         return {"seconds": 0.01, "bytes": 100}
 
-    def save_adapter(self, path, base_model=None, adapter=None):
+    def save_adapter(self, path, base_model=None, adapter=None, with_adam=False):
         self.saved.append((path, adapter))
+        if with_adam:
+            self.with_adam.append(path)
         return path
 
     def set_adapter(self, adapter, path=None):
@@ -100,7 +103,7 @@ def test_each_user_trains_and_publishes_only_their_own_adapter(stores, tmp_path:
     assert trainer.adapter_pushes[-2:] == [(["http://engine-b"], f"{a_alias}@job-u.v2", 0),
                                            (["http://engine-b"], f"{b_alias}@job-u.v1", 1)]
     lp.close()
-    assert [slot for _, slot in trainer.saved] == [0, 1]
+    assert [slot for _, slot in trainer.saved] == [0, 1] and trainer.with_adam == []
     assert adapters.get(a_alias).saved_version == 2 and adapters.get(b_alias).saved_version == 2
 
 
@@ -130,7 +133,7 @@ def test_more_users_than_slots_take_turns(stores, tmp_path: Path) -> None:
     assert [s.adapter for s in trainer.batches[1]] == [bob_slot, bob_slot, 0, 0]
     assert set(lp.state.users) == {ALICE, CAROL} and set(lp.state.parked) == {BOB}
     parked = lp.state.parked[BOB].parked
-    assert parked is not None and (parked, bob_slot) in trainer.saved
+    assert parked is not None and (parked, bob_slot) in trainer.saved and trainer.with_adam == [parked]
     assert trainer.slots_set == [(bob_slot, None)]  # Carol starts fresh
     assert adapters.get(b).saved_path == parked and adapters.get(b).saved_version == 1  # his alias stays, saved
     assert adapters.get(c).version == 2 and adapters.get(a).version == 2

@@ -4,7 +4,9 @@ and backward, instead of one adapter swapped in at a time.
 
 Checked against the one-adapter trainer, which tests/test_lora.py checks against PEFT: each user's log-probs and
 gradients in a mixed batch equal a one-adapter model holding that user's adapter alone; a prefix is shared only
-under one adapter; a step changes only the adapters its samples name (parameters and Adam moments, bit for bit).
+under one adapter; a step changes only the adapters its samples name (parameters and Adam moments, bit for bit);
+each adapter is stepped at its own Adam step count: a user seated mid-job trains as in a fresh trainer, and one
+parked and back as if they had never left.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def test_a_step_changes_only_the_adapters_it_trains(model_path: Path) -> None:
 
 def test_a_slot_is_given_to_another_user_fresh_or_from_their_saved_adapter(model_path: Path, tmp_path: Path) -> None:
     """A per-user job's slot changing hands: fresh (A as the slot started, B = 0) or a parked user's adapter loaded
-    back, its Adam moments zeroed, every other slot bit for bit."""
+    back (saved without its Adam state: moments zero), every other slot bit for bit."""
     from slime_server.trainer.adapter_isolation import set_adapter
     from slime_server.trainer.peft_io import read_peft_adapter, save_peft_adapter
 
@@ -155,3 +157,85 @@ def test_a_slot_is_given_to_another_user_fresh_or_from_their_saved_adapter(model
         set_adapter(bundle, 1, parked, seed=7)  # the parked user back in the slot
         for p, old in zip(params, before, strict=True):
             assert torch.equal(p, old)
+
+
+def _rows(bundle: Any, slot: int) -> list[torch.Tensor]:
+    """Slot ``slot``'s parameters and Adam moments."""
+    params = stacked_adapters(bundle.model)
+    states = [t for opt in _torch_optimizers(bundle) for p in params for k, t in opt.state.get(p, {}).items()
+              if k in ("exp_avg", "exp_avg_sq")]
+    return [t[slot].clone() for t in params + states]
+
+
+def _counts(bundle: Any) -> tuple[int, ...]:
+    return tuple(bundle.slot_steps)
+
+
+SETTINGS = OptimizerSettings(lr=1e-2, weight_decay=0.1, clip_grad=0.0)  # no clipping: a batch-wide norm
+
+
+def test_a_user_seated_mid_job_is_stepped_as_in_a_fresh_trainer(model_path: Path) -> None:
+    """Slot 1 given to a newcomer after three steps: their two steps move their adapter (and Adam moments) as the
+    same two steps move it in a trainer that starts with them, not by the bias correction of the job's step (at
+    step 4 that would be about 3.2 lr per weight where their own first step is lr)."""
+    from slime_server.trainer.adapter_isolation import set_adapter
+
+    samples = _users(make_batch(vocab_size=101, n=6, seed=4))
+    step = TrainStepSettings(max_tokens_per_micro_batch=96, share_prefixes=False, loss=LossConfig(loss_type="grpo"))
+    with parallel_context(tp_size=1):
+        job = build_optimizer(_model(model_path, LORA), SETTINGS)
+        for _ in range(3):
+            train_step(job, samples, step)
+        set_adapter(job, 1, None, seed=7)
+        fresh = build_optimizer(_model(model_path, LORA), SETTINGS)
+        set_adapter(fresh, 1, None, seed=7)
+        assert all(torch.equal(a, b) for a, b in zip(_rows(job, 1)[:len(stacked_adapters(job.model))],
+                                                     _rows(fresh, 1), strict=False))
+        for _ in range(2):
+            train_step(job, samples, step)
+            train_step(fresh, samples, step)
+        assert _counts(job) == (5, 2, 5) and _counts(fresh) == (2, 2, 2)
+        for mine, theirs in zip(_rows(job, 1), _rows(fresh, 1), strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-7, rtol=1e-5)
+        assert float(_rows(job, 1)[1].abs().max()) > 0  # B moved off zero
+
+
+def test_a_user_parked_and_back_trains_as_if_they_never_left(model_path: Path, tmp_path: Path) -> None:
+    """Bob gives slot 1 to Carol for a step (saved with his Adam moments and count), then has it back: his next step
+    moves his adapter and moments as it does where he kept the slot and sat the step out. The counts survive a
+    checkpoint, on its own layout and through the portable file."""
+    from slime_server.trainer.adapter_adam import read_slot_adam, save_slot_adam
+    from slime_server.trainer.adapter_isolation import set_adapter
+    from slime_server.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from slime_server.trainer.peft_io import read_peft_adapter, save_peft_adapter
+    from slime_server.trainer.portable import load_portable
+
+    samples = _users(make_batch(vocab_size=101, n=6, seed=4))
+    carol = _users(make_batch(vocab_size=101, n=6, seed=9))
+    step = TrainStepSettings(max_tokens_per_micro_batch=96, share_prefixes=False, loss=LossConfig(loss_type="grpo"))
+    with parallel_context(tp_size=1):
+        moved, stayed = (build_optimizer(_model(model_path, LORA), SETTINGS) for _ in range(2))
+        for bundle in (moved, stayed):
+            train_step(bundle, samples, step)
+            train_step(bundle, samples, step)
+        bob = _rows(moved, 1)
+        save_peft_adapter(tmp_path / "bob", moved.model, LORA, str(model_path), 1)
+        save_slot_adam(tmp_path / "bob", moved, 1)
+        set_adapter(moved, 1, None, seed=7)  # Carol's, fresh
+        train_step(moved, carol, step)
+        train_step(stayed, [s for s in samples if s.adapter != 1], step)  # Bob sits a step out
+        set_adapter(moved, 1, read_peft_adapter(tmp_path / "bob")[1], seed=7, adam=read_slot_adam(tmp_path / "bob"))
+        assert all(torch.equal(a, b) for a, b in zip(_rows(moved, 1), bob, strict=True))
+        assert _counts(moved) == (3, 2, 3) == _counts(stayed)
+        train_step(moved, samples, step)
+        train_step(stayed, samples, step)
+        for mine, theirs in zip(_rows(moved, 1), _rows(stayed, 1), strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-7, rtol=1e-6)
+        assert not torch.equal(_rows(moved, 1)[0], bob[0])
+
+        save_checkpoint(tmp_path / "ckpt", moved, step=4, policy_version=4, portable=True)
+        for load in (load_checkpoint, load_portable):
+            again = build_optimizer(_model(model_path, LORA), SETTINGS)
+            train_step(again, samples, step)  # a state to load over
+            load(tmp_path / "ckpt", again)
+            assert _counts(again) == _counts(moved), load.__name__

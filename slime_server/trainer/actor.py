@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 
 from slime_server.buffer.routed_experts import RoutedExperts
 from slime_server.lora_format import ADAPTER_DIR
+from slime_server.trainer.adapter_adam import read_slot_adam, save_slot_adam
 from slime_server.trainer.adapter_isolation import set_adapter as set_adapter_slot
 from slime_server.trainer.adapter_push import AdapterPusher
 from slime_server.trainer.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
@@ -258,19 +259,25 @@ class TrainerRank:
         return {"step": self.step, "policy_version": self.policy_version}
 
     def set_adapter(self, adapter: int, path: str | None = None) -> dict[str, Any]:
-        """Adapter ``adapter`` of a multi-adapter trainer becomes the PEFT directory ``path`` (None: a fresh one),
-        its Adam moments zeroed (collective): a per-user job giving a slot to another user."""
+        """Adapter ``adapter`` of a multi-adapter trainer becomes the PEFT directory ``path`` with the Adam moments
+        and step count saved beside it (None: a fresh adapter, Adam afresh) (collective): a per-user job giving a
+        slot to another user."""
         tensors = read_peft_adapter(path)[1] if path is not None else None
-        set_adapter_slot(self._ready(), adapter, tensors, self.settings.seed)
-        return {"adapter": adapter, "path": path}
+        adam = read_slot_adam(path) if path is not None else None
+        set_adapter_slot(self._ready(), adapter, tensors, self.settings.seed, adam)
+        return {"adapter": adapter, "path": path, "adam": adam is not None}
 
-    def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str:
+    def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None,
+                     with_adam: bool = False) -> str:
         """The LoRA adapter (``adapter`` of a multi-adapter trainer) as a PEFT directory at ``path`` (collective;
-        rank 0 writes)."""
+        rank 0 writes); ``with_adam``: its Adam moments and step count beside it (a user giving up their slot)."""
         if self.settings.lora is None:
             raise RuntimeError("this trainer has no LoRA adapter (TrainerRankSettings.lora)")
-        return str(save_peft_adapter(path, self._ready().model, self.settings.lora,
-                                     base_model or self.settings.hf_path, adapter))
+        saved = save_peft_adapter(path, self._ready().model, self.settings.lora,
+                                  base_model or self.settings.hf_path, adapter)
+        if with_adam and adapter is not None:
+            save_slot_adam(saved, self._ready(), adapter)
+        return str(saved)
 
     def named_hf_tensors(self, staging: Staging | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors (TP shards all-gathered; with PP > 1 the later stages' streamed to the first)
@@ -431,8 +438,9 @@ class TrainerGroup:
     def push_adapter(self, engine_urls: Sequence[str], name: str, adapter: int | None = None) -> dict[str, Any]:
         return next(r for r in self._all("push_adapter", list(engine_urls), name, adapter) if r["sent"])
 
-    def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str:
-        return self._all("save_adapter", path, base_model, adapter)[0]
+    def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None,
+                     with_adam: bool = False) -> str:
+        return self._all("save_adapter", path, base_model, adapter, with_adam)[0]
 
     def set_adapter(self, adapter: int, path: str | None = None) -> dict[str, Any]:
         return self._all("set_adapter", adapter, path)[0]

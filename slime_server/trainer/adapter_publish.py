@@ -29,7 +29,8 @@ UNLOAD_AFTER_S = 3.0  # > the gateway's alias cache (gateway/adapters.ALIAS_TTL_
 class AdapterTrainer(Protocol):
     def push_adapter(self, engine_urls: Sequence[str], name: str, adapter: int | None = None) -> dict[str, Any]: ...
 
-    def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None) -> str: ...
+    def save_adapter(self, path: str, base_model: str | None = None, adapter: int | None = None,
+                     with_adam: bool = False) -> str: ...
 
 
 @dataclass
@@ -116,16 +117,18 @@ class AdapterPublisher:
     def park(self, trainer: AdapterTrainer, user: str, slot: int, version: int) -> str:
         """``user``'s adapter (slot ``slot``) saved as a PEFT directory before the slot goes to another user; its
         alias records it as saved (under their newest published version, what the engines serve), so it comes
-        back after a restart. Returns the directory."""
+        back after a restart; its Adam moments and step count beside it, so that their next step is the one they
+        would have taken had they kept the slot. Returns the directory."""
         assert self.users is not None
         shown = self.users.current(user)
         return self._save(trainer, user_alias(user), slot, version if shown is None else shown,
-                          self.pub.save_dir / "parked")
+                          self.pub.save_dir / "parked", with_adam=True)
 
-    def _save(self, trainer: AdapterTrainer, alias: str, slot: int | None, version: int, directory: Path) -> str:
+    def _save(self, trainer: AdapterTrainer, alias: str, slot: int | None, version: int, directory: Path,
+              with_adam: bool = False) -> str:
         """One adapter as ``directory``/<its versioned name>, recorded on its alias as saved at ``version``."""
         path = directory / self.pub.versioned(alias, version)
-        trainer.save_adapter(str(path), None, slot)
+        trainer.save_adapter(str(path), None, slot, with_adam)
         self.pub.saved(alias, version, str(path))
         return str(path)
 

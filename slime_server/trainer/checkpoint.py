@@ -157,6 +157,7 @@ def save_checkpoint(
         "optimizer": bundle.optimizer.state_dict(),
         "scheduler": bundle.scheduler.state_dict(),
         "rng": capture_rng(),
+        "slot_steps": bundle.slot_steps,
     }
     torch.save(state, tmp / f"rank_{rank:05d}.pt")
     if portable:
@@ -198,6 +199,7 @@ def load_checkpoint(path: str | Path, bundle: OptimizerBundle) -> CheckpointMeta
     load_trained_state(unwrap(bundle.model), state["model"])
     bundle.optimizer.load_state_dict(state["optimizer"])
     bundle.scheduler.load_state_dict(state["scheduler"])
+    bundle.slot_steps = state.get("slot_steps")
     restore_rng(state["rng"])
     return meta
 

@@ -30,6 +30,7 @@ class OptimizerBundle:
     model: nn.Module  # megatron.core.distributed.DistributedDataParallel
     optimizer: Any  # megatron.core.optimizer.MegatronOptimizer (ChainedOptimizer)
     scheduler: Any  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+    slot_steps: list[int] | None = None  # a multi-adapter trainer's slots' own Adam step counts (adapter_adam)
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,8 @@ def save_portable(directory: Path, bundle: OptimizerBundle) -> None:
     """Write ``portable.pt`` into ``directory`` (collective; rank 0 writes)."""
     state = full_state(bundle)
     if state is not None:
-        torch.save({**state, "adam_step": adam_step(bundle), "scheduler": bundle.scheduler.state_dict()},
-                   directory / PORTABLE_FILE)
+        torch.save({**state, "adam_step": adam_step(bundle), "scheduler": bundle.scheduler.state_dict(),
+                    "slot_steps": bundle.slot_steps}, directory / PORTABLE_FILE)
 
 
 def load_portable(directory: Path, bundle: OptimizerBundle) -> None:
@@ -105,3 +105,4 @@ def load_portable(directory: Path, bundle: OptimizerBundle) -> None:
                 "step": torch.tensor(saved["adam_step"], dtype=step.dtype if step is not None else torch.float32),
                 **{part: moments[part][param].to(param.device, param.dtype).clone() for part in MOMENTS}}
     bundle.scheduler.load_state_dict(saved["scheduler"])
+    bundle.slot_steps = saved.get("slot_steps")
