@@ -102,7 +102,8 @@ def test_each_user_trains_and_publishes_only_their_own_adapter(stores, tmp_path:
     lp.sync_engine("http://engine-b")
     assert trainer.adapter_pushes[-2:] == [(["http://engine-b"], f"{a_alias}@job-u.v2", 0),
                                            (["http://engine-b"], f"{b_alias}@job-u.v1", 1)]
-    lp.close()
+    lp.close()  # ... after the left versions' unloads are done (the engines' client is closed after it)
+    assert not [t.name for t in threading.enumerate() if t.name == f"unload-{a_alias}@job-u.v1"]
     assert [slot for _, slot in trainer.saved] == [0, 1] and trainer.with_adam == []
     assert adapters.get(a_alias).saved_version == 2 and adapters.get(b_alias).saved_version == 2
 

@@ -140,7 +140,8 @@ NET = "10.213.8"  # the two test hosts' own link (made here, removed after)
 BIN = Path(sys.executable).parent
 
 DRIVER = textwrap.dedent("""
-    import json, random, sys, time, uuid, httpx
+    import json, random, sys, tempfile, time, uuid, httpx
+    from pathlib import Path
     from openai import OpenAI, RateLimitError
     base, agent, admin_key, key_file, out = sys.argv[1:6]
     admin = httpx.Client(base_url=base, timeout=300, headers={"Authorization": f"Bearer {admin_key}"})
@@ -197,15 +198,35 @@ DRIVER = textwrap.dedent("""
     engines = admin.get("/dashboard/api/engines").raise_for_status().json()["engines"]
     key = open(key_file).read().strip()
     url = engines[0]["url"]
-    # as an engine that restarted: it holds no adapter, and the gateway loads the alias's saved version again,
-    # staged on the engine's host as the trainer's versions were
+    # the engine drops the version (as its LRU evicts one): the next request on the alias is answered, whether the
+    # engine reloads it from the path it loaded it from (the gateway's view of the engines still has it) or the
+    # gateway loads the saved version again (its view refreshed, after waiting it out), staged on the engine's host
     rec = next(a for a in admin.get("/admin/adapters").raise_for_status().json()["data"] if a["alias"] == "netns-lora")
-    httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": rec["name"]},
-               headers={"Authorization": f"Bearer {key}"}, timeout=60).raise_for_status()
-    again = OpenAI(base_url=f"{base}/v1", api_key=agent, max_retries=0).chat.completions.create(
-        model=f"{model}:netns-lora", max_tokens=4, messages=[{"role": "user", "content": "Hi."}])
+    reloaded = []
+    auth = {"Authorization": f"Bearer {key}"}
+    for wait in (0.0, 2.5):
+        served = httpx.get(f"{url}/v1/models", headers=auth, timeout=60).raise_for_status().json()["data"]
+        for name in [m["id"] for m in served if m["id"].startswith("netns-lora@")]:
+            httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, headers=auth,
+                       timeout=60).raise_for_status()
+        time.sleep(wait)
+        again = OpenAI(base_url=f"{base}/v1", api_key=agent, max_retries=0).chat.completions.create(
+            model=f"{model}:netns-lora", max_tokens=4, messages=[{"role": "user", "content": "Hi."}])
+        reloaded.append(again.choices[0].finish_reason)
+    def staged_of():  # this job's versions staged on the engine's host (the two hosts share /tmp here)
+        d = Path(tempfile.gettempdir()) / "slime-adapters"
+        return sorted(p.name for p in d.iterdir() if f"@{lora['id']}." in p.name) if d.is_dir() else []
+
+    time.sleep(4)  # the job's left versions are unloaded 3 s after they leave
+    kept = staged_of()
+    admin.delete("/admin/adapters/netns-lora").raise_for_status()  # the alias deleted: its copies go too
+    for _ in range(100):
+        if not staged_of():
+            break
+        time.sleep(0.2)
     res = {"job": j, "pushes": [e["data"] for e in events if e["kind"] == "weights_pushed"], "engines": engines,
-           "lora_job": lora_job, "reloaded": again.choices[0].finish_reason,
+           "lora_job": lora_job, "reloaded": reloaded, "current": rec["name"], "staged": kept,
+           "staged_after_delete": staged_of(),
            "published": [e["data"] for e in events_of(lora["id"]) if e["kind"] == "adapter_published"],
            "keyless": httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "x"}).status_code,
            "model_info": httpx.get(f"{url}/model_info", headers={"Authorization": f"Bearer {key}"}).json()}
@@ -294,7 +315,10 @@ def test_job_across_two_network_namespaces(tiny_model_path: Path, tmp_path: Path
     assert res["lora_job"]["step"] == 2  # the LoRA job's versions, loaded by the engine from files on its host
     assert [p["version"] for p in res["published"]] == [0, 1, 2]
     assert {p["mode"] for p in res["published"]} == {"adapter-staged"} and all(p["bytes"] > 0 for p in res["published"])
-    assert res["reloaded"] in ("stop", "length")  # the saved version, loaded on the engine's host again
-    assert not list(Path(tempfile.gettempdir()).glob("slime-adapter-*"))  # each staged copy removed once loaded
+    assert all(r in ("stop", "length") for r in res["reloaded"]), res["reloaded"]  # loaded on its host again
+    # the version served keeps its staged copy (the engine reloads from it); the left versions' went with them,
+    # and the last one's with the alias
+    assert len(res["staged"]) == 1 and res["staged"][0].startswith(res["current"] + "-"), res
+    assert res["staged_after_delete"] == [], res
     assert "ray::EngineActor" in seen[b] and "ray::EngineActor" not in seen[a]
     assert "ray::TrainerRank" in seen[a] and "ray::TrainerRank" not in seen[b]

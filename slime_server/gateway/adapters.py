@@ -142,6 +142,9 @@ class AdapterDirectory:
             for name in await self._served_by(url) or []:
                 if is_version_of(name, alias):
                     await self.engine.http.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=600)
+                    host = httpx.URL(url).host
+                    if not await in_thread(is_local_host, host):
+                        await in_thread(unstage, host, name)
                     gone.add(name)
         self._at = -TTL_S  # the engines' list changed
         self._alias_cache.pop(alias, None)
@@ -170,15 +173,10 @@ class AdapterDirectory:
         host gets the directory's files on its own disk first (rollout/adapter_staging.py: this process must be in
         the engines' Ray cluster, as ``serve`` is)."""
         host = httpx.URL(url).host
-        staged = None
-        if not await in_thread(is_local_host, host):
-            staged = await in_thread(stage, host, name, directory_files(path))
-        try:
-            answer = await self.engine.http.post(f"{url}/load_lora_adapter", timeout=300,
-                                                 json={"lora_name": name, "lora_path": staged or path})
-        finally:
-            if staged is not None:
-                await in_thread(unstage, host, staged)
+        if not await in_thread(is_local_host, host):  # kept until the version is unloaded: an engine reloads from it
+            path = await in_thread(stage, host, name, directory_files(path))
+        answer = await self.engine.http.post(f"{url}/load_lora_adapter", timeout=300,
+                                             json={"lora_name": name, "lora_path": path})
         return answer.status_code == 200 or "already loaded" in answer.text
 
     async def _moved(self, route: AdapterRoute) -> bool:

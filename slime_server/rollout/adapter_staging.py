@@ -5,13 +5,18 @@ but shared memory ends at the host, and SGLang has no by-value or broadcast rout
 ``/load_lora_adapter_from_tensors`` payloads reference shared memory or CUDA IPC handles; its unpickler refuses
 tensors by value). What every SGLang serves is ``/load_lora_adapter`` with a ``lora_path`` on the engine's own disk.
 So the files travel in Ray's object store (the cluster the trainer ranks and engines already share) to a task pinned
-to the engine's node, which writes them there; the engine loads them, and a second task removes them (the engine
-holds the adapter in memory from then on). The trainer's pusher stages each new version; the gateway stages a
-saved version an engine lost (restarted or evicted). No torch here: the gateway imports it.
+to the engine's node, which writes them there, and the engine loads them. The files stay while the version is
+served: an engine reloads an adapter it evicted (its LRU over ``max_loaded_loras``) or was told to unload from the
+path it was loaded from, as SGLang does, so they go only when the version is unloaded for good (``unstage``, by
+name: one directory per version on each node). The trainer's pusher stages each new version; the loop's and the
+gateway's loads of a saved version stage it too. No torch here: the gateway imports it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 import shutil
 import socket
 import tempfile
@@ -26,15 +31,27 @@ def directory_files(path: str | Path) -> dict[str, bytes]:
     return {name: (Path(path) / name).read_bytes() for name in (CONFIG_FILE, WEIGHTS_FILE)}
 
 
+def staged_dir(name: str) -> Path:
+    """Where version ``name`` is staged on a node (its temp directory; the name made safe, and hashed so two
+    names never share a directory)."""
+    safe = re.sub(r"[^A-Za-z0-9@._-]", "_", name)[:80]
+    return Path(tempfile.gettempdir()) / "slime-adapters" / f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+
+
 def _write(name: str, files: dict[str, bytes]) -> str:
-    out = Path(tempfile.mkdtemp(prefix=f"slime-adapter-{name.replace('/', '_')[:60]}-"))
+    """On the engine's node: the files in the version's directory, replacing what was there."""
+    final = staged_dir(name)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".staging-"))
     for file, data in files.items():
-        (out / file).write_bytes(data)
-    return str(out)
+        (tmp / file).write_bytes(data)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return str(final)
 
 
-def _remove(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def _remove(name: str) -> None:
+    shutil.rmtree(staged_dir(name), ignore_errors=True)
 
 
 def node_of(host: str) -> str:
@@ -63,7 +80,7 @@ def _on(node: str, fn: Any) -> Any:
 
 
 def stage(host: str, name: str, files: dict[str, bytes], timeout: float = 300.0) -> str:
-    """Write ``files`` into a fresh directory on ``host``'s node; returns its path there."""
+    """Write ``files`` into version ``name``'s directory on ``host``'s node; returns its path there."""
     import ray
 
     if not ray.is_initialized():
@@ -72,6 +89,10 @@ def stage(host: str, name: str, files: dict[str, bytes], timeout: float = 300.0)
     return str(ray.get(_on(node_of(host), _write).remote(name, files), timeout=timeout))
 
 
-def unstage(host: str, path: str) -> None:
-    """Remove a staged directory from ``host``'s node (not waited for: the engine has loaded it)."""
-    _on(node_of(host), _remove).remote(path)
+def unstage(host: str, name: str) -> None:
+    """Remove version ``name``'s staged files from ``host``'s node, once it is unloaded for good (not waited for);
+    nothing to do where nothing can have been staged (this process is not in a Ray cluster)."""
+    import ray
+
+    if ray.is_initialized():
+        _on(node_of(host), _remove).remote(name)

@@ -53,6 +53,7 @@ class AdapterPublisher:
     def __init__(self, publication: AdapterPublication, users: UserSlots | None,
                  on_event: Callable[[str, dict[str, Any]], None]) -> None:
         self.pub, self.users, self.on_event = publication, users, on_event
+        self._unloads: list[threading.Thread] = []  # left versions waiting out the gateways' alias reads
 
     def _targets(self, users: Sequence[str] | None) -> list[tuple[str, int | None, str | None]]:
         """(alias, adapter slot, user) of each adapter to publish: the job's one, or ``users``' (None: all)."""
@@ -77,8 +78,10 @@ class AdapterPublisher:
             totals["bytes"] += int(stats.get("bytes") or 0)
             totals["mode"] = stats.get("mode")  # adapter: by reference; adapter-staged: some engine loaded files
             if previous and previous != name:
-                threading.Thread(target=self._unload_later, args=(previous,), name=f"unload-{previous}",
-                                 daemon=True).start()
+                unload = threading.Thread(target=self._unload_later, args=(previous,), name=f"unload-{previous}",
+                                          daemon=True)
+                unload.start()
+                self._unloads = [t for t in self._unloads if t.is_alive()] + [unload]
             published.append((alias, name, previous))
         if self.users is None:
             alias, name, previous = published[0]
@@ -131,6 +134,14 @@ class AdapterPublisher:
         trainer.save_adapter(str(path), None, slot, with_adam)
         self.pub.saved(alias, version, str(path))
         return str(path)
+
+    def finish_unloads(self, timeout: float = 2 * UNLOAD_AFTER_S + 60) -> None:
+        """Wait for the left versions' unloads (at a job's end: the engines' client closes after it, and a version
+        left in the engines would hold one of their adapter slots until they restart)."""
+        deadline = time.monotonic() + timeout
+        for t in self._unloads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._unloads = [t for t in self._unloads if t.is_alive()]
 
     def _unload_later(self, name: str) -> None:
         """Unload a left version once every gateway has stopped routing new requests to it (their alias reads

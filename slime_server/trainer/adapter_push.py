@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import torch
 
-from slime_server.rollout.adapter_staging import stage, unstage
+from slime_server.rollout.adapter_staging import stage
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_tp_size
 from slime_server.rollout.protocol import LoadLoRAAdapterFromTensorsReqInput, LoadLoRAAdapterReqInput
@@ -122,9 +122,5 @@ class AdapterPusher:
 
     def _load_staged(self, url: str, name: str, files: dict[str, bytes]) -> None:
         """An engine on another host: the version's PEFT files written on its disk, then loaded by path."""
-        host = httpx.URL(url).host
-        path = stage(host, name, files)
-        try:
-            self._post(url, "/load_lora_adapter", LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))
-        finally:
-            unstage(host, path)
+        path = stage(httpx.URL(url).host, name, files)  # kept until the version is unloaded: an engine reloads
+        self._post(url, "/load_lora_adapter", LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))  # from it

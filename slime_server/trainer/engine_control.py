@@ -8,9 +8,10 @@ from typing import Any
 
 import httpx
 
+from slime_server.rollout.adapter_staging import directory_files, stage, unstage
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_weight_version
-from slime_server.utils.net import engine_limits
+from slime_server.utils.net import engine_limits, is_local_host
 
 
 class EngineControl:
@@ -36,22 +37,36 @@ class EngineControl:
         self._all("/continue_generation")
 
     def load_adapter(self, name: str, path: str) -> dict[str, str]:
-        """Load a PEFT directory into every engine as ``name`` (one that has it already is fine); url -> error."""
-        return self._on_each("/load_lora_adapter", {"lora_name": name, "lora_path": path}, "already loaded")
+        """Load a PEFT directory into every engine as ``name`` (one that has it already is fine); an engine on
+        another host loads a copy staged on its disk (rollout/adapter_staging.py). url -> error."""
+        def body(url: str) -> dict[str, Any]:
+            host = httpx.URL(url).host
+            staged = path if is_local_host(host) else stage(host, name, directory_files(path))
+            return {"lora_name": name, "lora_path": staged}
+        return self._on_each("/load_lora_adapter", body, "already loaded")
 
     def unload_adapter(self, name: str, timeout: float = 600.0) -> dict[str, str]:
         """Unload a LoRA adapter from every engine (each waits for its requests to finish, hence the long timeout);
-        an engine without it (restarted) is fine. url -> error."""
-        return self._on_each("/unload_lora_adapter", {"lora_name": name}, "does not exist", timeout)
+        an engine without it (restarted) is fine; a copy staged on another host goes with it. url -> error."""
+        errors = self._on_each("/unload_lora_adapter", lambda _: {"lora_name": name}, "does not exist", timeout)
+        for url in self.urls():
+            host = httpx.URL(url).host
+            if url not in errors and not is_local_host(host):
+                try:
+                    unstage(host, name)
+                except RuntimeError as e:  # the node is gone: so are its files
+                    errors[url] = repr(e)
+        return errors
 
-    def _on_each(self, path: str, body: dict[str, Any], fine: str, timeout: float | None = None) -> dict[str, str]:
+    def _on_each(self, path: str, body: Callable[[str], dict[str, Any]], fine: str, timeout: float | None = None
+                 ) -> dict[str, str]:
         """``path`` on every engine; url -> error, except refusals that say ``fine`` (the state asked for holds)."""
         errors: dict[str, str] = {}
         for url in self.urls():
             try:
-                r = self._client.post(f"{url}{path}", json=body,
+                r = self._client.post(f"{url}{path}", json=body(url),
                                       **({"timeout": timeout} if timeout is not None else {}))
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, OSError, RuntimeError) as e:  # RuntimeError: its host could not be staged on
                 errors[url] = repr(e)
                 continue
             if r.status_code != 200 and fine not in r.text:

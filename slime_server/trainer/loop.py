@@ -252,6 +252,8 @@ class TrainLoop:
         return _is_trainer_failure(e, alive if callable(alive) else None)
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.finish_unloads()
         if self.trainer is not None and self.publisher is not None and self.published.is_set():
             self.publisher.save(self.trainer, self.state.version)
         if self.trainer is not None:
