@@ -84,3 +84,28 @@ def test_a_named_reference_or_critic_start_must_be_a_checkpoint_the_job_uses(tmp
     ]:
         with pytest.raises(pydantic.ValidationError, match=message):
             JobSpec.model_validate(body)
+
+
+def test_a_data_field_its_source_never_reads_is_refused_by_name(tmp_path: Path) -> None:
+    """Set to other than its default, a data field the job's source does not read is a 400 naming it, not ignored;
+    a whole spec sent back (every field at its default, as GET /jobs shows it) is still accepted."""
+    conv = tmp_path / "c.jsonl"
+    conv.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    refused = [
+        ({"source": "live", "temperature": 0.5, "environment": "calculator"},
+         "data.environment is for data.source 'dataset' or 'verifiers'; data.temperature is for"),
+        ({"source": "dataset", "environment": "calculator", "input_key": "prompt"}, "data.input_key"),
+        ({"source": "dataset", "environment": "calculator", "epochs": 2}, "with train false"),
+        ({"source": "conversations", "dataset": str(conv), "max_tokens": 9}, "data.max_tokens"),
+        ({"source": "replay", "dataset": str(conv), "system_prompt": "be brief"}, "data.system_prompt"),
+        ({"source": "replay", "dataset": str(conv), "epochs": 3}, "data.epochs"),
+    ]
+    for data, named in refused:
+        algorithm = "sft" if data["source"] == "conversations" else "reinforce_plus_plus"
+        with pytest.raises(ValueError, match=named):
+            JobSpec.model_validate({"algorithm": algorithm, "data": data})
+    JobSpec.model_validate({"train": False, "data": {"source": "dataset", "environment": "calculator", "epochs": 2}})
+    JobSpec.model_validate({"algorithm": "sft", "data": {"source": "conversations", "dataset": str(conv), "epochs": 2,
+                                                         "input_key": "messages", "system_prompt": "be brief"}})
+    whole = JobSpec.model_validate({"data": {"source": "live"}}).model_dump(mode="json")
+    assert JobSpec.model_validate(whole).data.source == "live"

@@ -34,6 +34,9 @@ class _Either:
         return self.is_set()
 
 
+DEFAULT_PROMPTS = 256  # rows a dataset job generates when data.num_prompts is unset
+
+
 class DatasetDriver:
     """Plays a dataset job's episodes through /v1 while its loop runs (paused with it, stops with it)."""
 
@@ -52,12 +55,15 @@ class DatasetDriver:
             )
 
             env = load(d.environment or "", d.env_args)
-            n = d.num_prompts if "num_prompts" in d.model_fields_set else -1  # set: at most that many rows
+            n = d.num_prompts or -1  # set: at most that many rows
             self.rows: Sequence[Any] = rows_of(env, d.seed, n)
             self.runner = VerifiersRunner(env, settings, d.sampling_args)
         else:
             builtin = get_environment(d.environment or "")
-            self.rows = load_jsonl(d.dataset) if d.dataset else builtin.default_dataset(d.num_prompts, seed=d.seed)
+            if d.dataset:  # data.num_prompts, when set, takes its first rows
+                self.rows = load_jsonl(d.dataset)[: d.num_prompts]
+            else:
+                self.rows = builtin.default_dataset(d.num_prompts or DEFAULT_PROMPTS, seed=d.seed)
             self.runner = AgentRunner(builtin, settings)
         if not self.rows:
             raise ValueError("the dataset has no rows")

@@ -60,8 +60,9 @@ class DataSpec(_Strict):
                         "passes over the rows, each played n_samples_per_prompt times")
     replay_job: str | None = Field(None, description="replay: only the samples this job trained on, in its own "
                                    "batches and order (the export records each sample's job and step)")
-    num_prompts: int = Field(256, ge=1, description="rows generated when no dataset is given; verifiers: when "
-                             "set, at most this many of the environment's rows (after the seed's shuffle)")
+    num_prompts: int | None = Field(None, ge=1, description="dataset: the rows generated when no dataset file is "
+                                    "given (unset: 256), or at most this many of the file's first rows; verifiers: at "
+                                    "most this many of the environment's rows (after the seed's shuffle; unset: all)")
     seed: int = Field(0, description="the generated rows' seed (dataset), the rows' shuffle (verifiers)")
     concurrency: int = Field(8, ge=1, description="episodes in flight")
     temperature: float = Field(1.0, ge=0)
@@ -187,8 +188,40 @@ class JobSpec(_Strict):
         LossConfig(**self.loss_config())  # fail at submit time, not in the trainer
         return self
 
+    def _data_fields_read(self, source: str | None = None, train: bool | None = None) -> set[str]:
+        """The ``data`` fields a job with ``source`` (default: this job's) reads, besides ``source``."""
+        train = self.train if train is None else train
+        played = {"environment", "num_prompts", "seed", "concurrency", "temperature", "max_tokens"} | (
+            set() if train else {"epochs"})
+        return {"live": set(),
+                "dataset": played | {"dataset"},
+                "verifiers": played | {"env_args", "sampling_args"},
+                "conversations": {"dataset", "input_key", "label_key", "tools_key", "system_prompt", "epochs", "seed"},
+                "replay": {"dataset", "replay_job"}}[source or self.data.source]
+
+    def _check_unread_data(self) -> None:
+        """A ``data`` field set (to other than its default) that the job's source never reads is refused by name,
+        not ignored."""
+        d = self.data
+        fields = type(d).model_fields
+        unread = sorted(n for n in d.model_fields_set - {"source"} - self._data_fields_read()
+                        if getattr(d, n) != fields[n].get_default(call_default_factory=True))
+        if not unread:
+            return
+        sources = ("dataset", "verifiers", "conversations", "replay")
+
+        def readers(name: str) -> str:
+            if name == "epochs":
+                return ("data.epochs is for data.source 'conversations', and for 'dataset' or 'verifiers' with train "
+                        "false (rollout-only: passes over the rows)")
+            who = [s for s in sources if name in self._data_fields_read(s)]
+            return f"data.{name} is for data.source {' or '.join(repr(s) for s in who)}"
+
+        raise ValueError(f"not read by a job with data.source {d.source!r}: " + "; ".join(map(readers, unread)))
+
     def _check_modes(self) -> None:
         d = self.data
+        self._check_unread_data()
         if d.source == "verifiers":
             if not d.environment:
                 raise ValueError("data.source 'verifiers' needs data.environment: an installed verifiers "
