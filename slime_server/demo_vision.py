@@ -111,7 +111,7 @@ def job_spec(settings: VisionDemoSettings, train: Path, held_out: Path) -> dict[
     return {
         "name": "shapes-demo", "algorithm": "grpo",
         "data": {"source": "dataset", "environment": "shapes", "dataset": str(train), "concurrency": n * per_step,
-                 "temperature": 1.0, "max_tokens": 24, "seed": settings.seed},
+                 "temperature": 1.0, "max_tokens": 24},
         "loop": {"batch_size": n * per_step, "n_samples_per_prompt": n, "max_steps": settings.rl_steps,
                  "max_staleness": 1, "update_weights_interval": 1, "checkpoint_interval": 1000,
                  "drop_zero_variance_groups": True, "max_flat_groups_in_a_row": 32},

@@ -100,6 +100,8 @@ def test_a_data_field_its_source_never_reads_is_refused_by_name(tmp_path: Path) 
         ({"source": "replay", "dataset": str(conv), "system_prompt": "be brief"}, "data.system_prompt"),
         ({"source": "replay", "dataset": str(conv), "epochs": 3}, "data.epochs"),
     ]
+    refused.append(({"source": "dataset", "environment": "calculator", "dataset": str(conv), "seed": 3},
+                    "a dataset file's rows are played in their order"))
     for data, named in refused:
         algorithm = "sft" if data["source"] == "conversations" else "reinforce_plus_plus"
         with pytest.raises(ValueError, match=named):

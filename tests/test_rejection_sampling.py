@@ -43,7 +43,7 @@ def test_rejection_sampling_keeps_what_passes_and_raises_held_out_success(server
     n, prompts = 8, 4
     body = {"name": "rejection-sampling", "algorithm": "sft", "rejection": {"threshold": 1.0},
             "data": {"source": "dataset", "environment": "calculator", "dataset": str(train), "concurrency": n * prompts,
-                     "temperature": 1.0, "max_tokens": 40, "seed": SEED},
+                     "temperature": 1.0, "max_tokens": 40},
             # no staleness bound: every sample dropped at step -1 is a rejected one
             "loop": {"batch_size": n * prompts, "n_samples_per_prompt": n, "max_steps": STEPS, "max_staleness": None,
                      "checkpoint_interval": 1000, "poll_interval_s": 0.1},

@@ -63,7 +63,8 @@ class DataSpec(_Strict):
     num_prompts: int | None = Field(None, ge=1, description="dataset: the rows generated when no dataset file is "
                                     "given (unset: 256), or at most this many of the file's first rows; verifiers: at "
                                     "most this many of the environment's rows (after the seed's shuffle; unset: all)")
-    seed: int = Field(0, description="the generated rows' seed (dataset), the rows' shuffle (verifiers)")
+    seed: int = Field(0, description="the generated rows' seed (dataset without a file), the rows' shuffle "
+                      "(verifiers), the conversations' shuffle")
     concurrency: int = Field(8, ge=1, description="episodes in flight")
     temperature: float = Field(1.0, ge=0)
     max_tokens: int = Field(64, ge=1)
@@ -206,6 +207,9 @@ class JobSpec(_Strict):
         fields = type(d).model_fields
         unread = sorted(n for n in d.model_fields_set - {"source"} - self._data_fields_read()
                         if getattr(d, n) != fields[n].get_default(call_default_factory=True))
+        if d.source == "dataset" and d.dataset is not None and d.seed != fields["seed"].default:
+            raise ValueError("data.seed generates a dataset job's rows when it has no data.dataset; a dataset file's "
+                             "rows are played in their order")
         if not unread:
             return
         sources = ("dataset", "verifiers", "conversations", "replay")
