@@ -34,9 +34,8 @@ from slime_server.gateway.engine_client import EngineClient, EngineError
 from slime_server.gateway.errors import APIError
 from slime_server.gateway.principal import Principal
 from slime_server.gateway.threads import in_thread
-from slime_server.rollout.adapter_staging import directory_files, stage, unstage
+from slime_server.rollout.adapter_staging import path_for_engine, unstage_for_engine
 from slime_server.rollout.protocol import GenerateOutput
-from slime_server.utils.net import is_local_host
 
 log = logging.getLogger(__name__)
 TTL_S = 2.0
@@ -142,9 +141,7 @@ class AdapterDirectory:
             for name in await self._served_by(url) or []:
                 if is_version_of(name, alias):
                     await self.engine.http.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=600)
-                    host = httpx.URL(url).host
-                    if not await in_thread(is_local_host, host):
-                        await in_thread(unstage, host, name)
+                    await in_thread(unstage_for_engine, httpx.URL(url).host, name)
                     gone.add(name)
         self._at = -TTL_S  # the engines' list changed
         self._alias_cache.pop(alias, None)
@@ -172,9 +169,8 @@ class AdapterDirectory:
         """``/load_lora_adapter`` of a saved version into one engine (one that has it is fine); an engine on another
         host gets the directory's files on its own disk first (rollout/adapter_staging.py: this process must be in
         the engines' Ray cluster, as ``serve`` is)."""
-        host = httpx.URL(url).host
-        if not await in_thread(is_local_host, host):  # kept until the version is unloaded: an engine reloads from it
-            path = await in_thread(stage, host, name, directory_files(path))
+        # a staged copy is kept until the version is unloaded: an engine reloads from it
+        path = await in_thread(path_for_engine, httpx.URL(url).host, name, path)
         answer = await self.engine.http.post(f"{url}/load_lora_adapter", timeout=300,
                                              json={"lora_name": name, "lora_path": path})
         return answer.status_code == 200 or "already loaded" in answer.text

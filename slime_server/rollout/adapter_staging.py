@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_server.lora_format import CONFIG_FILE, WEIGHTS_FILE
+from slime_server.utils.net import is_local_host
 
 
 def directory_files(path: str | Path) -> dict[str, bytes]:
@@ -96,3 +97,15 @@ def unstage(host: str, name: str) -> None:
 
     if ray.is_initialized():
         _on(node_of(host), _remove).remote(name)
+
+
+def path_for_engine(host: str, name: str, path: str) -> str:
+    """Where an engine on ``host`` loads the saved PEFT directory ``path`` from, as version ``name``: ``path`` on
+    this host, else its files staged on the engine's."""
+    return path if is_local_host(host) else stage(host, name, directory_files(path))
+
+
+def unstage_for_engine(host: str, name: str) -> None:
+    """Version ``name`` unloaded for good from an engine on ``host``: its staged copy goes (none on this host)."""
+    if not is_local_host(host):
+        unstage(host, name)

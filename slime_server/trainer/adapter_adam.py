@@ -92,10 +92,11 @@ def _stacked(bundle: Any) -> list[_Stacked]:
     return out
 
 
-def slot_steps(bundle: Any) -> list[int] | None:
+def slot_steps(bundle: Any, entries: list[_Stacked] | None = None) -> list[int] | None:
     """Each slot's own Adam step count (None: a one-adapter trainer, or no step yet: every count is 0); a trainer
-    restored from before the counts were kept gives every slot the parameters' count."""
-    entries = _stacked(bundle)
+    restored from before the counts were kept gives every slot the parameters' count. ``entries``: ``_stacked``'s,
+    when the caller has them."""
+    entries = _stacked(bundle) if entries is None else entries
     if not entries or not entries[0].state():
         return None
     if bundle.slot_steps is None:
@@ -119,7 +120,7 @@ def own_bias_correction(bundle: Any, used: set[int]) -> Iterator[None]:
         yield
         return
     slots = sorted(used)
-    counts = list(slot_steps(bundle) or [0] * entries[0].main.shape[0])
+    counts = list(slot_steps(bundle, entries) or [0] * entries[0].main.shape[0])
     k_before = entries[0].global_step()
     before = [(e, float(e.group["lr"]), float(e.group.get("weight_decay", 0.0)), e.main.detach()[slots].clone())
               for e in entries]
@@ -155,8 +156,9 @@ def slot_adam(bundle: Any, slot: int) -> dict[str, Any]:
     """Slot ``slot``'s Adam moments (full rows, under global Megatron names) and its own step count (collective:
     TP gathers, the pipeline stages merged): what a parked user keeps."""
     parts: dict[str, dict[str, torch.Tensor]] = {part: {} for part in MOMENTS}
-    counts = slot_steps(bundle)
-    for e in _stacked(bundle):
+    entries = _stacked(bundle)
+    counts = slot_steps(bundle, entries)
+    for e in entries:
         state = e.state()
         for part in MOMENTS:
             local = state.get(part)
@@ -171,11 +173,12 @@ def set_slot_adam(bundle: Any, slot: int, saved: dict[str, Any] | None) -> None:
     from megatron.core import parallel_state as ps
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    counts = slot_steps(bundle)
+    entries = _stacked(bundle)
+    counts = slot_steps(bundle, entries)
     if counts is None:
         return  # no step yet: every slot's moments are zero and its count 0
     with torch.no_grad():
-        for e in _stacked(bundle):
+        for e in entries:
             for part in MOMENTS:
                 moment = e.state()[part]
                 if saved is None:

@@ -34,8 +34,10 @@ def only_adapters(bundle: Any, used: set[int]) -> Iterator[None]:
     """Around an optimizer step: every adapter not in ``used`` comes out of it exactly as it went in; those in it
     are updated at their own Adam step count."""
     params = stacked_adapters(bundle.model)
-    count = params[0].shape[0] if params else 0
-    keep = [a for a in range(count) if a not in used]
+    if not params:  # a one-adapter or full-weight trainer: nothing to isolate, one step count
+        yield
+        return
+    keep = [a for a in range(params[0].shape[0]) if a not in used]
     if not keep:
         with own_bias_correction(bundle, used):
             yield

@@ -8,10 +8,10 @@ from typing import Any
 
 import httpx
 
-from slime_server.rollout.adapter_staging import directory_files, stage, unstage
+from slime_server.rollout.adapter_staging import path_for_engine, unstage_for_engine
 from slime_server.rollout.engine_auth import auth_headers
 from slime_server.rollout.engine_info import engine_weight_version
-from slime_server.utils.net import engine_limits, is_local_host
+from slime_server.utils.net import engine_limits
 
 
 class EngineControl:
@@ -40,9 +40,7 @@ class EngineControl:
         """Load a PEFT directory into every engine as ``name`` (one that has it already is fine); an engine on
         another host loads a copy staged on its disk (rollout/adapter_staging.py). url -> error."""
         def body(url: str) -> dict[str, Any]:
-            host = httpx.URL(url).host
-            staged = path if is_local_host(host) else stage(host, name, directory_files(path))
-            return {"lora_name": name, "lora_path": staged}
+            return {"lora_name": name, "lora_path": path_for_engine(httpx.URL(url).host, name, path)}
         return self._on_each("/load_lora_adapter", body, "already loaded")
 
     def unload_adapter(self, name: str, timeout: float = 600.0) -> dict[str, str]:
@@ -50,10 +48,9 @@ class EngineControl:
         an engine without it (restarted) is fine; a copy staged on another host goes with it. url -> error."""
         errors = self._on_each("/unload_lora_adapter", lambda _: {"lora_name": name}, "does not exist", timeout)
         for url in self.urls():
-            host = httpx.URL(url).host
-            if url not in errors and not is_local_host(host):
+            if url not in errors:
                 try:
-                    unstage(host, name)
+                    unstage_for_engine(httpx.URL(url).host, name)
                 except RuntimeError as e:  # the node is gone: so are its files
                     errors[url] = repr(e)
         return errors
