@@ -65,8 +65,10 @@ def test_a_lora_job_publishes_versions_beside_the_base(server: Any) -> None:
     client = OpenAI(base_url=server.base_url, api_key=AGENT, max_retries=0)
 
     def greedy(model: str, **extra: Any) -> Any:
+        """A probe, not training data: serve-only, so a job's full buffer (paused below) never paces it with a 429."""
         return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2+3?"}],
-                                              max_tokens=12, temperature=0.0, **extra)
+                                              max_tokens=12, temperature=0.0,
+                                              extra_body={"metadata": {"serve_only": "true"}}, **extra)
 
     base_before = greedy(served).choices[0].message.content
     body = {"algorithm": "grpo", "optimizer": {"lr": 5e-3},
