@@ -107,18 +107,19 @@ def test_shortened_demo_learns(tiny_model_path: Path, tmp_path: Path) -> None:
     eval_file = tmp_path / "extra.jsonl"
     eval_file.write_text('{"prompt": "Ana has 4 apples and buys 3 more. How many apples does Ana have now?", '
                          '"label": "7"}\n')
-    summary = run_demo(["--steps", "40", "--eval-every", "20", "--eval-prompts", "256", "--seed", "0", "--exit",
+    summary = run_demo(["--steps", "40", "--eval-every", "40", "--eval-prompts", "256", "--seed", "0", "--exit",
                         "--work-dir", str(tmp_path / "work"), "--eval-data", f"extra={eval_file}"],
                        timeout=2900)  # ~3 min with the warm start cached, ~13 building it
     curve = summary["curve"]
-    assert [s for s, _ in curve] == [0, 20, 40]
+    assert [s for s, _ in curve] == [0, 40]
     # the margin: the demo's gain must stand clear of the measurement's own noise. The same weights (the step-0
     # evaluation of four runs of this warm start, same seeds) measured 42.2, 44.1, 44.5 and 45.3%: batching differs
     # from run to run (sd 1.3 points), so three standard deviations of a difference of two measurements is 5.6
     # points. Gains measured (tools/bench_demo.py's settings): idle, seeds 0-5 (2026-11-26), +16.0 to +35.5; seed 0
     # under load, as CI runs it beside two other test workers, (2026-11-28, three demos at once, and one inside the
     # suite with another process beside it) +12.9, +14.5, +21.1 and +6.6; a CI run once +9 (another warm start):
-    # the asynchronous loop learns less in its 40 steps when the cores are shared (why, not measured).
+    # the asynchronous loop learns less in its 40 steps when the cores are shared (why, not measured). Those runs also
+    # evaluated at step 20; this test no longer does (one evaluation of 256 problems less): idle, seed 0, +17.2.
     assert summary["success_after"] - summary["success_before"] >= 0.06, summary
     assert {name for name, _, _ in summary["other_evals"]} == {"extra"}
     png = Path(summary["plot"])
