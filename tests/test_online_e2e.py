@@ -4,8 +4,10 @@ answers longer than 24 characters too long holds several hundred short conversat
 openai SDK, 8 at a time. Every first turn is judged from the user's reaction (the complaint gets
 -1 and a hint, thanks +1), the online job trains on the judged turns (REINFORCE++ plus on-policy
 distillation on the hinted ones) and pushes weights after every step, and no request fails
-meanwhile. The disliked behaviour's frequency must drop: measured here, 0.50 before -> 0.06
-after ~40 steps (16 rounds of 48 conversations, ~70 s)."""
+meanwhile. The disliked behaviour's frequency must drop by 0.2: measured here, 0.50 before -> 0.06
+after ~40 steps (16 rounds of 48 conversations, ~70 s); on 2026-11-29 (2-core AMD EPYC, alone), per
+round of ~3 steps, 0.56 0.56 0.58 (the base) 0.35 0.38 0.27 0.27 0.21 0.25 0.15 (~step 30) 0.08 0.08
+0.10 0.02 ... So the job trains 30 steps before the last three rounds are played (they see ~30-40)."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def test_online_serving_judges_trains_and_pushes_without_failures(tiny_model_pat
 
             first = [play(r) for r in range(3)]  # the base model (the first batch needs 16 judged turns)
             rounds = list(first)
-            while step() < 45 and len(rounds) < 60:  # learning is counted in steps: slower machines play more
+            while step() < 30 and len(rounds) < 60:  # learning is counted in steps: slower machines play more
                 rounds.append(play(len(rounds)))
             last = [play(len(rounds) + r) for r in range(3)]
             rounds += last
@@ -62,7 +64,7 @@ def test_online_serving_judges_trains_and_pushes_without_failures(tiny_model_pat
             print(f"too-long rate {before:.2f} -> {after:.2f};", [round(disliked_rate(r), 2) for r in rounds],
                   "steps:", job["step"])
             assert errors == []  # serving never refused, pushes included
-            assert job["status"] == "running" and job["step"] >= 45  # >= 45 weight pushes under load
+            assert job["status"] == "running" and job["step"] >= 30  # >= 30 weight pushes under load
             assert len(seen) >= 48 * len(rounds) - 8  # (nearly) every first turn was judged from the reaction
             assert after <= before - 0.2, (before, after)
         finally:
