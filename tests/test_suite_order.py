@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from tests._tools_helpers import load_tool
 from tests.conftest import SUITE_DURATIONS, suite_order
 
@@ -27,3 +31,14 @@ def test_durations_file_is_written_from_a_durations_log() -> None:
            "1.25s teardown tests/test_a.py::test_z\n"
            "(3 durations < 0.005s hidden.)\n")
     assert tool.file_durations(log) == {"test_a.py": 13.8, "test_b.py": 2.0}
+
+
+def test_cpu_table_sums_each_modules_tests(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    tool = load_tool("suite_cpu.py")
+    (tmp_path / "gw0.json").write_text('[["tests/test_a.py::x", 3.0], ["tests/test_b.py::y", 1.0]]')
+    (tmp_path / "gw1.json").write_text('[["tests/test_a.py::z", 4.0]]')
+    monkeypatch.setattr("sys.argv", ["suite_cpu.py", str(tmp_path)])
+    tool.main()
+    assert capsys.readouterr().out.splitlines() == ["8 cpu-s in 2 modules", "    7.0   87.5%  tests/test_a.py",
+                                                    "    1.0  100.0%  tests/test_b.py"]
