@@ -83,10 +83,10 @@ def real_model_path() -> Path:
 
 
 # Under xdist workers, a module at a time (--dist loadfile), the modules run longest first, by the seconds each took in
-# a measured run (tests/suite_durations.json, written by tools/suite_durations.py): the run then ends on short
-# modules that fill the workers' last gaps, not on one worker finishing a long module alone (simulated from the
-# 2026-11-29 run's durations: the last worker ends at 940 s on average, +-20% noise per module, against 986 s with
-# the hand-kept list before). A module missing from the file (new) counts as short.
+# a measured run (tests/suite_durations.json, written by tools/suite_durations.py), so the run ends on short modules
+# that fill the workers' last gaps rather than on one long module; a module missing from the file (new) counts as
+# short. Measured 2026-11-29 (2 cores): a run with it took 1035 s, the three before it with the hand-kept list 1024-1044 s:
+# the cores were already 92% busy, so the suite's time is its CPU work (docs/benchmarks.md, "Test suite time").
 SUITE_DURATIONS: dict[str, float] = json.loads((Path(__file__).parent / "suite_durations.json").read_text())
 # Except: the structured-output module (SmolLM2 sampling, its margin load-sensitive) starts after the longest
 # modules' first round, so not beside the learning demo.
