@@ -4,7 +4,6 @@ an import (a module may define its own of the same name, which then wins)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
@@ -82,25 +81,16 @@ def real_model_path() -> Path:
     return fetch_model("smollm2")
 
 
-# Under xdist workers, a module at a time (--dist loadfile), the modules run longest first, by the seconds each took in
-# a measured run (tests/suite_durations.json, written by tools/suite_durations.py), so the run ends on short modules
-# that fill the workers' last gaps rather than on one long module; a module missing from the file (new) counts as
-# short. Measured 2026-11-29 (2 cores): a run with it took 1035 s, the three before it with the hand-kept list 1024-1044 s:
-# the cores were already 92% busy, so the suite's time is its CPU work (docs/benchmarks.md, "Test suite time").
-SUITE_DURATIONS: dict[str, float] = json.loads((Path(__file__).parent / "suite_durations.json").read_text())
-# Except: the structured-output module (SmolLM2 sampling, its margin load-sensitive) starts after the longest
-# modules' first round, so not beside the learning demo.
-AFTER_FIRST_ROUND = {"test_structured_outputs.py": 8}
-
-
-def suite_order(names: list[str]) -> list[str]:
-    """``names`` (module file names) in the order the workers take them."""
-    order = sorted(dict.fromkeys(names), key=lambda n: -SUITE_DURATIONS.get(n, 0.0))  # stable: ties keep their order
-    for name, position in AFTER_FIRST_ROUND.items():
-        if name in order:
-            order.remove(name)
-            order.insert(position, name)
-    return order
+# Under xdist workers, a module at a time (--dist loadfile), the modules that took longest (serial run of
+# 2026-11-25; the demo_vision and lora_per_user modules from 2026-11-28's) run first: the suite ends when the later worker ends.
+LONGEST_FIRST = ["test_demo_learning.py", "test_jobs_e2e.py", "test_demo_vision.py", "test_lora_per_user.py",
+                 "test_demo_and_serve.py", "test_trainer_tp.py",
+                 "test_real_model.py", "test_online_e2e.py", "test_two_nodes.py", "test_soak.py",
+                 "test_harnesses.py", "test_engine_faults.py",
+                 "test_engine_key_deploy.py", "test_training_modes.py"]
+# last: they wait for the demo's warm start, which test_demo_learning builds first on an empty cache (~9 min); and
+# the structured-output modules (SmolLM2 sampling), kept from running beside the demo, whose margin is load-sensitive
+LAST = ["test_structured_outputs.py", "test_engine_grammar.py", "test_rejection_sampling.py", "test_first_contact.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -117,8 +107,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item._nodeid = unique
     if not XDIST:
         return
-    rank = {name: i for i, name in enumerate(suite_order([item.path.name for item in items]))}
-    items.sort(key=lambda item: rank[item.path.name])  # stable: a module's tests keep their order
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)} | {name: len(LONGEST_FIRST) + 1 + i for i, name in enumerate(LAST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order
 
 
 STRICT_SKIPS = os.environ.get("SLIME_STRICT_SKIPS") == "1"  # set by .ci/run

@@ -1,6 +1,6 @@
 """What a new user meets first (issue 41), on the demo's warm start (``tiny-calc``): README's first training job
 learns and ends cleanly, and the demo at its shortest finishes with every evaluation it waits for. Both wait for
-the warm start, which test_demo_learning builds first on an empty cache (then they wait for it, by its lock)."""
+the warm start, which test_demo_learning builds first on an empty cache: this module runs last (conftest)."""
 
 from __future__ import annotations
 
