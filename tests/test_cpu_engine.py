@@ -272,6 +272,51 @@ def test_lean_forward_answers_as_hfs_forward_in_ragged_batches(tiny_model_path) 
             e.shutdown()
 
 
+def test_decode_batches_whose_members_come_and_go_answer_as_each_sequence_alone(engine) -> None:
+    """The decode batch's K/V buffer is reused as sequences leave, join and come in another order (their rows
+    move, a joiner's K/V is copied in) and rebuilt when it outgrows its rows or length: every decoded
+    position's log-probs equal those of the sequence's whole token list run alone (1e-5), whatever the rows
+    no sequence holds contain (NaN here: a joiner's row past its own K/V is cleared, masked scores stay finite)."""
+    from slime_server.rollout.engine_sequence import Sequence
+
+    lean = engine.lean
+    prompts = {"a": list(range(30, 42)), "b": [5, 6, 7], "c": list(range(60, 90)), "d": [11] * 20,
+               "e": list(range(100, 107))}
+    seqs: dict[str, Sequence] = {}
+
+    def join(name: str) -> Sequence:
+        s = Sequence(rid=name, prompt_ids=prompts[name], params=SamplingParams(max_new_tokens=200))
+        s.kv = lean.new_kv(len(s.prompt_ids) + 8)
+        logits = lean.prefill(s.prompt_ids, s.kv)
+        s.kv_len = len(s.prompt_ids)
+        s.output_ids = [int(logits[-1].argmax())]
+        seqs[name] = s
+        return s
+
+    # rows: ab -> abc (past 2 rows: rebuilt) -> c moves into a's row -> d joins -> the order given changes ->
+    # e joins (past 4 rows) and b leaves -> long enough that the buffer's length doubles
+    plan = ["a", "ab", "abc", "bc", "bcd", "dcb", "cdbe", "ced"] + ["ced"] * 40 + ["ec"] * 40
+    got: dict[str, list[torch.Tensor]] = {n: [] for n in prompts}
+    with torch.inference_mode():
+        for names in plan:
+            for gone in set(seqs) - set(names):
+                seqs[gone].kv = []  # finished: the engine drops its K/V
+            batch = [seqs.get(n) or join(n) for n in names]
+            logits = lean.decode(batch)
+            for s, row in zip(batch, logits, strict=True):
+                got[s.rid].append(torch.log_softmax(row.float(), -1))
+                s.output_ids.append(int(row.argmax()))
+            for kp, vp in lean._pool:  # the rows no one holds now: whatever they keep must not reach a joiner
+                kp[len(batch):] = float("nan")
+                vp[len(batch):] = float("nan")
+        for name, s in seqs.items():
+            ids = s.prompt_ids + s.output_ids[:-1]
+            alone = lean.prefill(ids, lean.new_kv(len(ids)), all_logits=True)[len(s.prompt_ids):]
+            torch.testing.assert_close(torch.stack(got[name]), torch.log_softmax(alone.float(), -1), atol=1e-5,
+                                       rtol=0)
+    assert lean._cap > 64  # the length did double on the way
+
+
 def test_a_prompt_that_extends_a_finished_one_reuses_its_kv(tiny_model_path) -> None:
     """The next turn of a conversation (the last prompt + answer + a new message) computes only its new
     tokens (SGLang's ``cached_tokens`` says how many were reused) and answers exactly as without reuse;

@@ -106,6 +106,8 @@ class LeanForward:
                      params[f"{m}experts.{e}.down_proj.weight"]) for e in range(self.num_experts)]))
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
+        self._seated: list[Sequence] = []  # the sequence of each used row of the pool, in row order
+        self._row_of: dict[int, int] = {}  # id(sequence) -> its row, for the last decode's batch
         self._gemv = gemv.kernel(self.embed.dtype) if decode_kernel == "c" else None
         self.gemv_target = gemv.target() if self._gemv is not None else None  # what it was built for
         self._onednn = _use_onednn(self.embed.dtype)
@@ -270,19 +272,28 @@ class LeanForward:
         """One token for each sequence (its last output id at position ``kv_len``): logits [B, V]. Writes the
         token's K/V into the batch's buffer and advances every ``kv_len``.
 
-        The running batch's K/V live in one padded buffer per layer, [B, nkv, cap, hd], row b being sequence
-        b's (``seq.kv`` are views of its row). Attention is then one batched op per layer whatever B is.
-        The buffer is rebuilt (each sequence's K/V copied in once) only when the batch's members change or a
-        sequence outgrows ``cap`` (which doubles): amortised over the steps in between, not paid per step."""
+        The running batch's K/V live in one padded buffer per layer, [rows, nkv, cap, hd], the batch in its
+        first B rows (``seq.kv`` are views of its row). Attention is then one batched op per layer whatever B
+        is. When the batch's members change, only the change is copied (``_seat``): a leaving sequence's row
+        is filled by the last row's, a joining one's K/V is copied into a free row. The buffer is rebuilt
+        (every member copied once) only when the batch outgrows its rows or a sequence its ``cap`` (both
+        double): amortised over the steps in between, not paid per step."""
+        rows = self._seat(batch)
         self._decoding = True
-        self._rows = RowSlots.of([s.lora_slot for s in batch]) if self.lora is not None else None
+        self._rows = RowSlots.of([s.lora_slot for s in rows]) if self.lora is not None else None
         self._start_routes()
         try:
-            return self._decode(batch)
+            logits = self._decode(rows)
         finally:
             self._decoding = False
             self._rows = None
             self._end_routes()
+        if rows is batch:
+            return logits
+        order = torch.tensor([self._row_of[id(s)] for s in batch])  # batch order from row order
+        if self.last_routes is not None:
+            self.last_routes = self.last_routes[order]
+        return logits[order]
 
     def _start_routes(self) -> None:
         self.routes, self.last_routes = ([] if self.num_experts else None), None
@@ -294,10 +305,9 @@ class LeanForward:
         self.routes = None
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
+        """``batch``: the sequences of rows 0 .. B - 1 of the buffer, in row order (``_seat``)."""
         n = len(batch)
         pos = torch.tensor([s.kv_len for s in batch])
-        if not self._holds(batch) or int(pos.max()) >= self._cap:
-            self._rebuild(batch, int(pos.max()) + 1)
         rows = torch.arange(n)
         length = int(pos.max()) + 1
         mask = None  # a lone sequence sees its whole buffer up to ``length``: no mask
@@ -316,33 +326,74 @@ class LeanForward:
             else:
                 kp[rows, :, pos] = k
                 vp[rows, :, pos] = v
-            att = F.scaled_dot_product_attention(q[:, :, None], kp[:, :, :length], vp[:, :, :length], attn_mask=mask,
-                                                 enable_gqa=True)  # [B, nh, 1, hd]
+            att = F.scaled_dot_product_attention(q[:, :, None], kp[:n, :, :length], vp[:n, :, :length],
+                                                 attn_mask=mask, enable_gqa=True)  # [B, nh, 1, hd]
             x = self._mlp(layer, self._attention_out(layer, x, att.reshape(n, self.q_size)))
         for s in batch:
             s.kv_len += 1
         return self._logits(x)
 
+    def _seat(self, batch: list[Sequence]) -> list[Sequence]:
+        """Put ``batch``'s K/V in rows 0 .. B - 1 of the buffer; returns the batch in row order (``batch``
+        itself when that is its order). Rows past a sequence's ``kv_len`` are masked but must stay finite
+        (a NaN there turns the masked score into NaN): fresh buffers are zeroed, and so is a joining
+        sequence's row past its own K/V."""
+        need = max(s.kv_len for s in batch) + 1
+        present = {id(s) for s in batch}
+        kept = [s for r, s in enumerate(self._seated) if id(s) in present and self._in_row(s, r)]
+        joining = [s for s in batch if id(s) not in {id(k) for k in kept}]
+        # a rebuild also when a sequence not in this batch still reads its row (none does in the engine's loop,
+        # which decodes every running sequence): a new buffer leaves the old one to it, as reuse would not
+        away = any(id(s) not in present and self._in_row(s, r) for r, s in enumerate(self._seated))
+        if not self._pool or need > self._cap or len(batch) > self._pool[0][0].shape[0] or away:
+            self._rebuild(batch, need)
+            return batch
+        # the kept ones move down into the rows of those that left, so rows 0 .. len(kept) - 1 are theirs
+        holes = [r for r, s in enumerate(self._seated[:len(kept)]) if not (id(s) in present and self._in_row(s, r))]
+        movers = [r for r in range(len(kept), len(self._seated)) if id(self._seated[r]) in present
+                  and self._in_row(self._seated[r], r)]
+        seated = self._seated[:len(kept)]
+        for dst, src in zip(holes, movers, strict=True):
+            s = self._seated[src]
+            for kp, vp in self._pool:
+                kp[dst].copy_(kp[src])
+                vp[dst].copy_(vp[src])
+            seated[dst] = s
+        for r, s in enumerate(joining, start=len(kept)):
+            for (kp, vp), (kb, vb) in zip(self._pool, s.kv, strict=True):
+                kp[r, :, : s.kv_len] = kb[:, : s.kv_len]
+                vp[r, :, : s.kv_len] = vb[:, : s.kv_len]
+                kp[r, :, s.kv_len:].zero_()
+                vp[r, :, s.kv_len:].zero_()
+            seated.append(s)
+        for r, s in enumerate(seated):
+            if not self._in_row(s, r):
+                s.kv = [(kp[r], vp[r]) for kp, vp in self._pool]
+        self._seated = seated
+        self._row_of = {id(s): r for r, s in enumerate(seated)}
+        return batch if all(a is b for a, b in zip(batch, seated, strict=True)) else seated
+
     def _rebuild(self, batch: list[Sequence], need: int) -> None:
-        """A new batch buffer holding every member's K/V so far, with room to grow (capacity doubles)."""
+        """A new batch buffer holding every member's K/V so far, with room to grow: its capacity doubles, its
+        rows are the batch's rounded up to a power of two (a growing batch is not rebuilt at every join)."""
         cap = max(64, 1 << (need + 8).bit_length())
         if batch:
             cap = min(cap, max(need + 1, max(s.reserved_tokens for s in batch)))
-        pool = [(self.embed.new_zeros((len(batch), self.n_kv, cap, self.head_dim)),
-                 self.embed.new_zeros((len(batch), self.n_kv, cap, self.head_dim))) for _ in self.layers]
+        n_rows = 1 << (len(batch) - 1).bit_length()
+        pool = [(self.embed.new_zeros((n_rows, self.n_kv, cap, self.head_dim)),
+                 self.embed.new_zeros((n_rows, self.n_kv, cap, self.head_dim))) for _ in self.layers]
         for b, s in enumerate(batch):
             for (kp, vp), (kb, vb) in zip(pool, s.kv, strict=True):
                 kp[b, :, : s.kv_len] = kb[:, : s.kv_len]
                 vp[b, :, : s.kv_len] = vb[:, : s.kv_len]
             s.kv = [(kp[b], vp[b]) for kp, vp in pool]
         self._pool, self._cap = pool, cap
+        self._seated = list(batch)
+        self._row_of = {id(s): r for r, s in enumerate(batch)}
 
-    def _holds(self, batch: list[Sequence]) -> bool:
-        """Whether row b of the batch buffer is sequence b's K/V, for every b (and no other row exists)."""
-        if not self._pool or self._pool[0][0].shape[0] != len(batch):
-            return False
-        rows = self._pool[0][0]
-        return all(s.kv and s.kv[0][0].data_ptr() == rows[b].data_ptr() for b, s in enumerate(batch))
+    def _in_row(self, s: Sequence, r: int) -> bool:
+        """Whether ``s``'s K/V are row ``r`` of the buffer (not a new prefill's, nor a finished one's none)."""
+        return bool(s.kv) and s.kv[0][0].data_ptr() == self._pool[0][0][r].data_ptr()
 
     @property
     def kv_bytes_per_token(self) -> int:
