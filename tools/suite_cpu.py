@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Generator
 from pathlib import Path
@@ -24,7 +25,7 @@ OUT = Path(os.environ.get("SUITE_CPU_OUT", "/tmp/suite-cpu"))
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 V1 = Path("/sys/fs/cgroup/cpuacct")
 GROUP = (V1 if V1.is_dir() else Path("/sys/fs/cgroup")) / f"suite-cpu-{WORKER}"
-_rows: list[tuple[str, float]] = []
+_rows: list[tuple[str, float, float, float]] = []  # node id, CPU seconds, wall start and end (epoch seconds)
 
 
 def _usage() -> float:
@@ -42,9 +43,9 @@ def pytest_configure(config: Any) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: Any, nextitem: Any) -> Generator[None, None, None]:
-    before = _usage()
+    before, start = _usage(), time.time()
     yield
-    _rows.append((item.nodeid, _usage() - before))
+    _rows.append((item.nodeid, _usage() - before, start, time.time()))
 
 
 def pytest_sessionfinish(session: Any) -> None:
@@ -54,14 +55,22 @@ def pytest_sessionfinish(session: Any) -> None:
 
 def main() -> None:
     per_module: Counter[str] = Counter()
-    for f in Path(sys.argv[1]).glob("*.json"):
-        for nodeid, seconds in json.loads(f.read_text()):
+    spans: dict[str, tuple[float, float]] = {}  # worker -> its first test's start, its last test's end
+    for f in sorted(Path(sys.argv[1]).glob("*.json")):
+        rows = json.loads(f.read_text())
+        for nodeid, seconds, *_ in rows:
             per_module[nodeid.split("::")[0]] += seconds
+        if rows and len(rows[0]) == 4:
+            spans[f.stem] = (min(r[2] for r in rows), max(r[3] for r in rows))
     total, running = sum(per_module.values()), 0.0
     print(f"{total:.0f} cpu-s in {len(per_module)} modules")
     for module, seconds in per_module.most_common():
         running += seconds
         print(f"{seconds:7.1f}  {100 * running / total:5.1f}%  {module}")
+    if spans:  # a worker done long before the others is cores left idle at the end
+        t0 = min(a for a, _ in spans.values())
+        print("workers' tests ran (s from the first start): " + ", ".join(
+            f"{w} {a - t0:.0f}-{b - t0:.0f}" for w, (a, b) in sorted(spans.items())))
 
 
 if __name__ == "__main__":
