@@ -274,14 +274,15 @@ def test_lean_forward_answers_as_hfs_forward_in_ragged_batches(tiny_model_path) 
 
 def test_decode_batches_whose_members_come_and_go_answer_as_each_sequence_alone(engine) -> None:
     """The decode batch's K/V buffer is reused as sequences leave, join and come in another order (their rows
-    move, a joiner's K/V is copied in) and rebuilt when it outgrows its rows or length: every decoded
-    position's log-probs equal those of the sequence's whole token list run alone (1e-5), whatever the rows
-    no sequence holds contain (NaN here: a joiner's row past its own K/V is cleared, masked scores stay finite)."""
+    move, a joiner's K/V is copied in), rebuilt when it outgrows its rows or length and given back when it is
+    far larger than the batch: every decoded position's log-probs equal those of the sequence's whole token list
+    run alone (1e-5), whatever the rows no sequence holds contain (NaN here: a joiner's row past its own K/V is
+    cleared, masked scores stay finite)."""
     from slime_server.rollout.engine_sequence import Sequence
 
     lean = engine.lean
     prompts = {"a": list(range(30, 42)), "b": [5, 6, 7], "c": list(range(60, 90)), "d": [11] * 20,
-               "e": list(range(100, 107))}
+               "e": list(range(100, 107)), "f": [3, 1, 4, 1, 5], "g": list(range(200, 240))}
     seqs: dict[str, Sequence] = {}
 
     def join(name: str) -> Sequence:
@@ -293,9 +294,10 @@ def test_decode_batches_whose_members_come_and_go_answer_as_each_sequence_alone(
         seqs[name] = s
         return s
 
-    # rows: ab -> abc (past 2 rows: rebuilt) -> c moves into a's row -> d joins -> the order given changes ->
-    # e joins (past 4 rows) and b leaves -> long enough that the buffer's length doubles
-    plan = ["a", "ab", "abc", "bc", "bcd", "dcb", "cdbe", "ced"] + ["ced"] * 40 + ["ec"] * 40
+    # a alone (2 rows) -> b joins a free row -> c (past 2 rows: rebuilt, 4) -> a leaves: c moves into its row ->
+    # d joins -> the order given changes -> e joins -> long enough that the length doubles -> f and g join (past 4
+    # rows: rebuilt, 6) -> d, f, g leave -> c leaves: 6 rows for one sequence is oversized, given back
+    plan = ["a", "ab", "abc", "bc", "bcd", "dcb", "cdbe", "ced"] + ["ced"] * 40 + ["cedfg"] * 3 + ["ec"] * 30 + ["e"] * 3
     got: dict[str, list[torch.Tensor]] = {n: [] for n in prompts}
     with torch.inference_mode():
         for names in plan:
@@ -315,6 +317,7 @@ def test_decode_batches_whose_members_come_and_go_answer_as_each_sequence_alone(
             torch.testing.assert_close(torch.stack(got[name]), torch.log_softmax(alone.float(), -1), atol=1e-5,
                                        rtol=0)
     assert lean._cap > 64  # the length did double on the way
+    assert lean._pool[0][0].shape[0] == 2  # and the rows of the burst were given back
 
 
 def test_a_prompt_that_extends_a_finished_one_reuses_its_kv(tiny_model_path) -> None:

@@ -345,7 +345,11 @@ class LeanForward:
         # a rebuild also when a sequence not in this batch still reads its row (none does in the engine's loop,
         # which decodes every running sequence): a new buffer leaves the old one to it, as reuse would not
         away = any(id(s) not in present and self._in_row(s, r) for r, s in enumerate(self._seated))
-        if not self._pool or need > self._cap or len(batch) > self._pool[0][0].shape[0] or away:
+        rows = self._pool[0][0].shape[0] if self._pool else 0
+        # and when it is over twice what this batch would get, in rows or length: memory is given back after a
+        # burst or a long generation, and a batch that shrinks and grows by one does not rebuild each time
+        oversized = rows > 2 * _rows_for(len(batch)) or self._cap > 2 * _cap_for(batch, need)
+        if not self._pool or need > self._cap or len(batch) > rows or away or oversized:
             self._rebuild(batch, need)
             return batch
         # the kept ones move down into the rows of those that left, so rows 0 .. len(kept) - 1 are theirs
@@ -374,12 +378,9 @@ class LeanForward:
         return batch if all(a is b for a, b in zip(batch, seated, strict=True)) else seated
 
     def _rebuild(self, batch: list[Sequence], need: int) -> None:
-        """A new batch buffer holding every member's K/V so far, with room to grow: its capacity doubles, its
-        rows are the batch's rounded up to a power of two (a growing batch is not rebuilt at every join)."""
-        cap = max(64, 1 << (need + 8).bit_length())
-        if batch:
-            cap = min(cap, max(need + 1, max(s.reserved_tokens for s in batch)))
-        n_rows = 1 << (len(batch) - 1).bit_length()
+        """A new batch buffer holding every member's K/V so far, with room to grow: its length doubles, its rows
+        are the batch's and a quarter more (a growing batch is not rebuilt at every join)."""
+        cap, n_rows = _cap_for(batch, need), _rows_for(len(batch))
         pool = [(self.embed.new_zeros((n_rows, self.n_kv, cap, self.head_dim)),
                  self.embed.new_zeros((n_rows, self.n_kv, cap, self.head_dim))) for _ in self.layers]
         for b, s in enumerate(batch):
@@ -403,6 +404,18 @@ class LeanForward:
         """Empty per-layer K/V buffers for one sequence."""
         return [(self.embed.new_empty((self.n_kv, capacity, self.head_dim)),
                  self.embed.new_empty((self.n_kv, capacity, self.head_dim))) for _ in self.layers]
+
+
+def _rows_for(n: int) -> int:
+    """Rows of a decode batch buffer made for ``n`` sequences."""
+    return n + max(1, n // 4)
+
+
+def _cap_for(batch: list[Sequence], need: int) -> int:
+    """Length of a decode batch buffer made for ``batch`` when its longest needs ``need`` positions: the next power of
+    two past ``need`` with some room (at least 64), at most what the batch's sequences reserved."""
+    cap = max(64, 1 << (need + 8).bit_length())
+    return min(cap, max(need + 1, max(s.reserved_tokens for s in batch))) if batch else cap
 
 
 def _use_onednn(dtype: torch.dtype) -> bool:
