@@ -107,7 +107,6 @@ class LeanForward:
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # the decode batch's K/V (see decode)
         self._cap = 0
         self._seated: list[Sequence] = []  # the sequence of each used row of the pool, in row order
-        self._row_of: dict[int, int] = {}  # id(sequence) -> its row, for the last decode's batch
         self._gemv = gemv.kernel(self.embed.dtype) if decode_kernel == "c" else None
         self.gemv_target = gemv.target() if self._gemv is not None else None  # what it was built for
         self._onednn = _use_onednn(self.embed.dtype)
@@ -276,9 +275,9 @@ class LeanForward:
         first B rows (``seq.kv`` are views of its row). Attention is then one batched op per layer whatever B
         is. When the batch's members change, only the change is copied (``_seat``): a leaving sequence's row
         is filled by the last row's, a joining one's K/V is copied into a free row. The buffer is rebuilt
-        (every member copied once) only when the batch outgrows its rows or a sequence its ``cap`` (both
-        double): amortised over the steps in between, not paid per step."""
-        rows = self._seat(batch)
+        (every member copied once) only when the batch outgrows its rows or a sequence its ``cap`` (which
+        doubles), or when it is far larger than the batch needs: amortised over the steps in between."""
+        rows, order = self._seat(batch)
         self._decoding = True
         self._rows = RowSlots.of([s.lora_slot for s in rows]) if self.lora is not None else None
         self._start_routes()
@@ -288,10 +287,9 @@ class LeanForward:
             self._decoding = False
             self._rows = None
             self._end_routes()
-        if rows is batch:
+        if order is None:
             return logits
-        order = torch.tensor([self._row_of[id(s)] for s in batch])  # batch order from row order
-        if self.last_routes is not None:
+        if self.last_routes is not None:  # back in the batch's order
             self.last_routes = self.last_routes[order]
         return logits[order]
 
@@ -333,40 +331,38 @@ class LeanForward:
             s.kv_len += 1
         return self._logits(x)
 
-    def _seat(self, batch: list[Sequence]) -> list[Sequence]:
-        """Put ``batch``'s K/V in rows 0 .. B - 1 of the buffer; returns the batch in row order (``batch``
-        itself when that is its order). Rows past a sequence's ``kv_len`` are masked but must stay finite
-        (a NaN there turns the masked score into NaN): fresh buffers are zeroed, and so is a joining
+    def _seat(self, batch: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
+        """Put ``batch``'s K/V in rows 0 .. B - 1 of the buffer; returns the batch in row order and each batch
+        member's row (None when the batch is in row order). Rows past a sequence's ``kv_len`` are masked but must
+        stay finite (a NaN there turns the masked score into NaN): fresh buffers are zeroed, and so is a joining
         sequence's row past its own K/V."""
         need = max(s.kv_len for s in batch) + 1
         present = {id(s) for s in batch}
-        kept = [s for r, s in enumerate(self._seated) if id(s) in present and self._in_row(s, r)]
-        joining = [s for s in batch if id(s) not in {id(k) for k in kept}]
+        reads = [self._in_row(s, r) for r, s in enumerate(self._seated)]  # row r still holds its sequence's K/V
+        held = [read and id(s) in present for read, s in zip(reads, self._seated, strict=True)]
+        n_kept, rows = sum(held), self._pool[0][0].shape[0] if self._pool else 0
         # a rebuild also when a sequence not in this batch still reads its row (none does in the engine's loop,
-        # which decodes every running sequence): a new buffer leaves the old one to it, as reuse would not
-        away = any(id(s) not in present and self._in_row(s, r) for r, s in enumerate(self._seated))
-        rows = self._pool[0][0].shape[0] if self._pool else 0
-        # and when it is over twice what this batch would get, in rows or length: memory is given back after a
-        # burst or a long generation, and a batch that shrinks and grows by one does not rebuild each time
+        # which decodes every running sequence): a new buffer leaves the old one to it, as reuse would not; and
+        # when the buffer is over twice what this batch would get, in rows or length: memory is given back after
+        # a burst or a long generation, and a batch that shrinks and grows by one does not rebuild each time
+        away = any(read and not kept for read, kept in zip(reads, held, strict=True))
         oversized = rows > 2 * _rows_for(len(batch)) or self._cap > 2 * _cap_for(batch, need)
-        if not self._pool or need > self._cap or len(batch) > rows or away or oversized:
+        if need > self._cap or len(batch) > rows or away or oversized:
             self._rebuild(batch, need)
-            return batch
-        # the kept ones move down into the rows of those that left, so rows 0 .. len(kept) - 1 are theirs
-        holes = [r for r, s in enumerate(self._seated[:len(kept)]) if not (id(s) in present and self._in_row(s, r))]
-        movers = [r for r in range(len(kept), len(self._seated)) if id(self._seated[r]) in present
-                  and self._in_row(self._seated[r], r)]
-        seated = self._seated[:len(kept)]
+            return batch, None
+        # the kept ones move down into the rows of those that left, so rows 0 .. n_kept - 1 are theirs
+        seated = self._seated[:n_kept]
+        holes = [r for r in range(n_kept) if not held[r]]
+        movers = [r for r in range(n_kept, len(self._seated)) if held[r]]
         for dst, src in zip(holes, movers, strict=True):
-            s = self._seated[src]
             for kp, vp in self._pool:
                 kp[dst].copy_(kp[src])
                 vp[dst].copy_(vp[src])
-            seated[dst] = s
-        for r, s in enumerate(joining, start=len(kept)):
-            for (kp, vp), (kb, vb) in zip(self._pool, s.kv, strict=True):
-                kp[r, :, : s.kv_len] = kb[:, : s.kv_len]
-                vp[r, :, : s.kv_len] = vb[:, : s.kv_len]
+            seated[dst] = self._seated[src]
+        kept = {id(s) for s in seated}
+        for r, s in enumerate([s for s in batch if id(s) not in kept], start=n_kept):  # the joiners
+            self._copy_in(self._pool, r, s)
+            for kp, vp in self._pool:
                 kp[r, :, s.kv_len:].zero_()
                 vp[r, :, s.kv_len:].zero_()
             seated.append(s)
@@ -374,8 +370,10 @@ class LeanForward:
             if not self._in_row(s, r):
                 s.kv = [(kp[r], vp[r]) for kp, vp in self._pool]
         self._seated = seated
-        self._row_of = {id(s): r for r, s in enumerate(seated)}
-        return batch if all(a is b for a, b in zip(batch, seated, strict=True)) else seated
+        if all(a is b for a, b in zip(batch, seated, strict=True)):
+            return batch, None
+        row_of = {id(s): r for r, s in enumerate(seated)}
+        return seated, [row_of[id(s)] for s in batch]
 
     def _rebuild(self, batch: list[Sequence], need: int) -> None:
         """A new batch buffer holding every member's K/V so far, with room to grow: its length doubles, its rows
@@ -384,13 +382,17 @@ class LeanForward:
         pool = [(self.embed.new_zeros((n_rows, self.n_kv, cap, self.head_dim)),
                  self.embed.new_zeros((n_rows, self.n_kv, cap, self.head_dim))) for _ in self.layers]
         for b, s in enumerate(batch):
-            for (kp, vp), (kb, vb) in zip(pool, s.kv, strict=True):
-                kp[b, :, : s.kv_len] = kb[:, : s.kv_len]
-                vp[b, :, : s.kv_len] = vb[:, : s.kv_len]
+            self._copy_in(pool, b, s)
             s.kv = [(kp[b], vp[b]) for kp, vp in pool]
         self._pool, self._cap = pool, cap
         self._seated = list(batch)
-        self._row_of = {id(s): r for r, s in enumerate(batch)}
+
+    @staticmethod
+    def _copy_in(pool: list[tuple[torch.Tensor, torch.Tensor]], r: int, s: Sequence) -> None:
+        """``s``'s K/V so far into row ``r`` of ``pool``."""
+        for (kp, vp), (kb, vb) in zip(pool, s.kv, strict=True):
+            kp[r, :, : s.kv_len] = kb[:, : s.kv_len]
+            vp[r, :, : s.kv_len] = vb[:, : s.kv_len]
 
     def _in_row(self, s: Sequence, r: int) -> bool:
         """Whether ``s``'s K/V are row ``r`` of the buffer (not a new prefill's, nor a finished one's none)."""
