@@ -29,6 +29,11 @@ base forward and backward) vs N steps of a one-adapter trainer, each with one us
 adapter and Adam moments copied in and out, as a trainer that serves users one at a time does); samples/s of each
 and their ratio.
 
+``--blocks``: instead, the Megatron step (trainer defaults: micro-batches of up to 8192 rows, shared prefixes) on a
+GRPO-shaped batch (as ``--prefixes`` makes it) with its core attention computed block by block
+(``trainer/block_attention.py``) vs Megatron's one [T, T] matrix per packed row, interleaved, same weights: the median
+step times, their ratio, and both first losses and gradient norms (which must agree).
+
 ``--algorithms``: instead, one step of the policy alone vs one PPO step with a KL reference and a critic
 (reference log-probs in the step, values, the critic's step) on the same batch, and the parameter memory
 of each model: the cost of ``loss.kl_coef`` and ``algorithm: ppo``.
@@ -168,6 +173,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--algorithms", action="store_true", help="policy alone vs policy + KL reference + critic")
     ap.add_argument("--prefixes", action="store_true", help="the step with vs without shared prefixes once")
+    ap.add_argument("--blocks", action="store_true", help="block-by-block core attention vs Megatron's dense one")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="a full step vs a LoRA step of this rank")
     ap.add_argument("--push", type=int, default=0, metavar="RANK", help="merged push vs adapter push of this rank")
     ap.add_argument("--pushes", type=int, default=5, help="--push: pushes of each kind")
@@ -191,6 +197,13 @@ def main() -> None:
         print(json.dumps({"model": model_dir, "batch": args.batch, "group": args.group, "system": args.system,
                           "prompt": args.prompt, "response": args.seq_len, "threads": args.threads,
                           **bench_prefixes(model_dir, args, settings, grouped)}))
+        return
+    if args.blocks:
+        grouped = make_grouped_samples(vocab, args.batch, args.group, args.system, args.prompt, args.seq_len, seed=0)
+        print(json.dumps({"model": model_dir, "batch": args.batch, "group": args.group, "system": args.system,
+                          "prompt": args.prompt, "response": args.seq_len, "threads": args.threads,
+                          "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch,
+                          **bench_blocks(model_dir, args, grouped)}))
         return
     if args.push:
         print(json.dumps({"model": model_dir, "rank": args.push, "threads": args.threads,
@@ -251,6 +264,34 @@ def bench_prefixes(model_dir: str, args: argparse.Namespace, settings: Any, samp
                                                       share_prefixes=s.share_prefixes)) for k, s in variants.items()}
     return {"rows": rows, "step_s": {k: round(v, 4) for k, v in med.items()},
             "speedup": round(med["plain"] / med["shared"], 2),
+            "first_loss": {k: v[0] for k, v in first.items()}, "first_grad_norm": {k: v[1] for k, v in first.items()}}
+
+
+def bench_blocks(model_dir: str, args: argparse.Namespace, samples: list[Any]) -> dict[str, Any]:
+    """Median Megatron step time with the core attention block by block vs dense (every block plan refused, so
+    Megatron's own forward runs), interleaved, two trainers from the same weights."""
+    from slime_server.trainer import block_attention
+    from slime_server.trainer.settings import LossConfig
+    from slime_server.trainer.train_step import TrainStepSettings
+
+    settings = TrainStepSettings(max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                                 loss=LossConfig(loss_type="grpo"))
+    share = block_attention.DENSE_SHARE
+    steps = {"dense": megatron_trainer(model_dir, args, settings), "blocks": megatron_trainer(model_dir, args, settings)}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    first: dict[str, tuple[float, float]] = {}
+    for i in range(args.warmup + args.steps):
+        for name, step in steps.items():
+            block_attention.DENSE_SHARE = 0.0 if name == "dense" else share
+            t0 = time.perf_counter()
+            first.setdefault(name, step(samples))
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    block_attention.DENSE_SHARE = share
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"step_s": {k: round(v, 4) for k, v in med.items()},
+            "step_s_all": {k: [round(t, 3) for t in v] for k, v in times.items()},
+            "speedup": round(med["dense"] / med["blocks"], 2),
             "first_loss": {k: v[0] for k, v in first.items()}, "first_grad_norm": {k: v[1] for k, v in first.items()}}
 
 

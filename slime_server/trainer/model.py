@@ -148,12 +148,17 @@ def _layer_spec(arch: ModelArch, use_te: bool) -> Any:
     grouped-GEMM experts need CUDA kernels."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    from slime_server.trainer.block_attention import BlockAttention  # lazy: loads megatron
+
     experts = arch.num_experts or None
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                                     qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    # a packed row's attention only on the blocks its mask leaves open (trainer/block_attention.py)
+    spec.submodules.self_attention.submodules.core_attention = BlockAttention
+    return spec
 
 
 def moe_settings(arch: ModelArch, ep_size: int) -> dict[str, Any]:
