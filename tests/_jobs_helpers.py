@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
+from slime_server.utils.net import tls_context
+
 ADMIN = "admin-key"
 AGENT = "agent-key"
 
@@ -61,11 +63,12 @@ def running_stack(model: Path, work: Path, **kw: Any) -> Iterator[Any]:
 
 def admin(server: Any) -> httpx.Client:
     return httpx.Client(base_url=server.base_url.removesuffix("/v1"), timeout=300,
-                        headers={"Authorization": f"Bearer {ADMIN}"})
+                        headers={"Authorization": f"Bearer {ADMIN}"}, verify=tls_context())
 
 
 def rest(server: Any) -> httpx.Client:
-    return httpx.Client(base_url=server.base_url, timeout=120, headers={"Authorization": f"Bearer {AGENT}"})
+    return httpx.Client(base_url=server.base_url, timeout=120, headers={"Authorization": f"Bearer {AGENT}"},
+                        verify=tls_context())
 
 
 def create_paced(client: OpenAI, timeout: float = 300, **kw: Any) -> Any:
@@ -160,7 +163,7 @@ def cancel(server: Any, job_id: str) -> dict[str, Any]:
 
 
 def engine_versions(server: Any) -> list[str]:
-    return [httpx.get(f"{u}/model_info", timeout=10).json()["weight_version"]
+    return [httpx.get(f"{u}/model_info", timeout=10, verify=tls_context()).json()["weight_version"]
             for u in server.deployment.engine_urls]
 
 

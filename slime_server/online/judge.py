@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from slime_server.utils.net import tls_context
+
 JUDGE_SYSTEM = (
     "You judge an assistant's reply by what the user said next. Answer with one line 'SCORE: +1' if "
     "the user is satisfied or moves on, 'SCORE: -1' if the user is unhappy, complains or corrects the "
@@ -77,10 +79,11 @@ class Judge:
         self._model: str | None = settings.model
 
     async def score(self, assistant_text: str, next_user_text: str) -> Verdict:
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
         s = self.settings
-        client = AsyncOpenAI(base_url=self.base_url, api_key=s.api_key, timeout=s.timeout_s, max_retries=2)
+        client = AsyncOpenAI(base_url=self.base_url, api_key=s.api_key, timeout=s.timeout_s, max_retries=2,
+                             http_client=DefaultAsyncHttpxClient(verify=tls_context()))  # a client per call, one TLS setup
         try:
             if self._model is None:
                 self._model = (await client.models.list()).data[0].id

@@ -23,7 +23,7 @@ from slime_server.rollout.engine_auth import KEY_ENV, check_exposure
 from slime_server.rollout.owned import spawn_owned, start_retrying
 from slime_server.rollout.sglang_launcher import build_sglang_command
 from slime_server.utils.affinity import format_cpu_list, pin_pid
-from slime_server.utils.net import find_free_port, wait_http_ok
+from slime_server.utils.net import find_free_port, tls_context, wait_http_ok
 from slime_server.utils.procs import cli_flags, kill_group
 
 
@@ -183,7 +183,7 @@ class EngineActor:
         if self._proc is None or self._proc.poll() is not None:
             return False
         try:
-            return httpx.get(f"{self.url()}/health", timeout=timeout).status_code < 300
+            return httpx.get(f"{self.url()}/health", timeout=timeout, verify=tls_context()).status_code < 300
         except httpx.HTTPError:
             return False
 
