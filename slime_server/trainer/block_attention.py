@@ -39,7 +39,7 @@ def block_plan(mask: torch.Tensor) -> Plan | None:
     sq, sk = allowed.shape
     if sq == 0 or sq != sk or not bool(allowed.any(dim=-1).all()):
         return None
-    r = torch.arange(sq - 1)
+    r = torch.arange(sq - 1, device=allowed.device)
     grew = allowed[1:] ^ allowed[:-1]  # what each query sees that the one before it did not, or no longer sees
     extends = (grew.sum(dim=-1) == 1) & grew[r, r + 1] & allowed[r + 1, r + 1]
     bounds = [0, *(torch.nonzero(~extends).flatten() + 1).tolist(), sq]
