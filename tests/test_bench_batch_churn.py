@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tests._tools_helpers import load_tool
@@ -13,8 +15,6 @@ def test_batch_churn_bench_runs_and_counts_every_token(capsys: pytest.CaptureFix
     cpu = tool.main(["--requests", "12", "--reps", "2", "--concurrency", "4"])
     lines = capsys.readouterr().out.splitlines()
     assert len(cpu) == 2 and all(c > 0 for c in cpu)
-    import random
-
     rng = random.Random(0)  # the bench's workload: (prompt length, output length) per request, in this order
     want = sum([rng.randint(20, 200), rng.randint(5, 60)][1] for _ in range(12))
     assert [int(line.split()[2]) for line in lines] == [want, want]  # ignore_eos: every requested token

@@ -20,4 +20,3 @@ def test_cpu_table_sums_each_modules_tests(tmp_path: Path, capsys: pytest.Captur
     assert capsys.readouterr().out.splitlines() == ["8 cpu-s in 2 modules", "    7.0   87.5%  tests/test_a.py",
                                                     "    1.0  100.0%  tests/test_b.py",
                                                     "workers' tests ran (s from the first start): gw0 0-10, gw1 1-3"]
-

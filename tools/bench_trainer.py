@@ -224,17 +224,7 @@ def main() -> None:
                           **bench_algorithms(model_dir, args, samples)}))
         return
     trainers = {"megatron": megatron_trainer(model_dir, args, settings), "hf": hf_trainer(model_dir, args, settings)}
-    times: dict[str, list[float]] = {k: [] for k in trainers}
-    first: dict[str, tuple[float, float]] = {}
-    for i in range(args.warmup + args.steps):
-        for name, step in trainers.items():
-            t0 = time.perf_counter()
-            loss_and_norm = step(samples)
-            dt = time.perf_counter() - t0
-            first.setdefault(name, loss_and_norm)
-            if i >= args.warmup:
-                times[name].append(dt)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med, _, first = interleaved(args, trainers, samples)
     report = {
         "model": model_dir, "params_m": round(sum(p.numel() for p in _hf_params(model_dir)) / 1e6, 2),
         "batch": args.batch, "seq_len": args.seq_len, "threads": args.threads,
@@ -245,21 +235,34 @@ def main() -> None:
     print(json.dumps(report))
 
 
+def interleaved(args: argparse.Namespace, steps: dict[str, StepFn], samples: list[Any],
+                before: Callable[[str], None] | None = None,
+                ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, tuple[float, float]]]:
+    """Each of ``steps`` run ``args.warmup + args.steps`` times on ``samples``, in turn, so background load hits them
+    alike (``before(name)`` ahead of each run): the median and every time of the timed runs, and each one's first
+    (loss, grad norm)."""
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    first: dict[str, tuple[float, float]] = {}
+    for i in range(args.warmup + args.steps):
+        for name, step in steps.items():
+            if before is not None:
+                before(name)
+            t0 = time.perf_counter()
+            loss_and_norm = step(samples)
+            dt = time.perf_counter() - t0
+            first.setdefault(name, loss_and_norm)
+            if i >= args.warmup:
+                times[name].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}, times, first
+
+
 def bench_prefixes(model_dir: str, args: argparse.Namespace, settings: Any, samples: list[Any]) -> dict[str, Any]:
     """Median Megatron step time with the plain packed rows vs the token tree, interleaved, same weights."""
     from slime_server.trainer.packing import pack_samples
 
     variants = {"plain": settings, "shared": settings.model_copy(update={"share_prefixes": True})}
     steps = {name: megatron_trainer(model_dir, args, s) for name, s in variants.items()}
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    first: dict[str, tuple[float, float]] = {}
-    for i in range(args.warmup + args.steps):
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            first.setdefault(name, step(samples))
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med, _, first = interleaved(args, steps, samples)
     rows = {k: sum(mb.num_rows for mb in pack_samples(samples, s.max_tokens_per_micro_batch,
                                                       share_prefixes=s.share_prefixes)) for k, s in variants.items()}
     return {"rows": rows, "step_s": {k: round(v, 4) for k, v in med.items()},
@@ -278,17 +281,14 @@ def bench_blocks(model_dir: str, args: argparse.Namespace, samples: list[Any]) -
                                  loss=LossConfig(loss_type="grpo"))
     share = block_attention.DENSE_SHARE
     steps = {"dense": megatron_trainer(model_dir, args, settings), "blocks": megatron_trainer(model_dir, args, settings)}
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    first: dict[str, tuple[float, float]] = {}
-    for i in range(args.warmup + args.steps):
-        for name, step in steps.items():
-            block_attention.DENSE_SHARE = 0.0 if name == "dense" else share
-            t0 = time.perf_counter()
-            first.setdefault(name, step(samples))
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-    block_attention.DENSE_SHARE = share
-    med = {k: statistics.median(v) for k, v in times.items()}
+
+    def before(name: str) -> None:
+        block_attention.DENSE_SHARE = 0.0 if name == "dense" else share
+
+    try:
+        med, times, first = interleaved(args, steps, samples, before)
+    finally:
+        block_attention.DENSE_SHARE = share
     return {"step_s": {k: round(v, 4) for k, v in med.items()},
             "step_s_all": {k: [round(t, 3) for t in v] for k, v in times.items()},
             "speedup": round(med["dense"] / med["blocks"], 2),
