@@ -223,8 +223,8 @@ class TrainerSettings(_Section):
                           "step and generation do not compete. Default (with torch_threads unset too): the upper "
                           "half of the host's cores while a job trains (server/core_share.py)")
     max_tokens_per_micro_batch: int = Field(
-        2048, gt=0, description="packed micro-batch budget (the forward's rows); CPU attention costs grow with "
-        "its square")
+        2048, gt=0, description="packed micro-batch budget (the forward's rows); the logits' memory grows with it "
+        "(rows x vocabulary), attention only with each sample's length (trainer/block_attention.py)")
     share_prefixes: bool = Field(True, description="compute the prefixes that samples share (a group's prompt, "
                                  "the system prompt) once per micro-batch: a token tree, exact up to rounding")
     work_dir: str = Field("slime_server_jobs", description="checkpoints and TensorBoard runs, one dir per job")
