@@ -16,7 +16,7 @@ import torch
 from slime_server.rollout.cpu_engine import SCHEDULER_OS_NAME, BadRequest, CPUEngine, EngineConfig
 from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM
 from slime_server.rollout.protocol import SamplingParams
-from slime_server.rollout.sampling import filtered_probs, sample_token
+from slime_server.rollout.sampling import draw, filtered_probs, sample_token
 from tests._engine_helpers import hf_greedy, hf_model
 
 PROMPT = [31, 32, 33, 34]
@@ -49,6 +49,31 @@ def test_filters_only_restrict_sampling() -> None:
         tok, lp, _ = sample_token(logits, SamplingParams(temperature=0.5, top_p=0.6), g)
         assert tok in (0, 1)
         assert abs(lp - float(torch.log_softmax(logits / 0.5, -1)[tok])) < 1e-6  # pre-filter log-prob
+
+
+def test_draws_follow_the_weights() -> None:
+    """``draw`` (the engine's sampler) picks each index with probability weight / total: over 60,000 draws each
+    count lies within 6 standard deviations of its expectation (a false alarm ~1e-9 per index), an index of
+    weight 0 is never drawn (filtered tokens, padding), the first and the last index are reachable, a one-hot row
+    always gives its index, and a row without mass is an error rather than a token."""
+    g = torch.Generator().manual_seed(11)
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0, 1.0, 2.0]) * 7  # unnormalised
+    weights[0], weights[-1] = 0.25, 0.75
+    n = 60_000
+    counts = torch.bincount(torch.tensor([draw(weights, g) for _ in range(n)]), minlength=len(weights))
+    p = weights.double() / weights.double().sum()
+    sigma = torch.sqrt(n * p * (1 - p))
+    assert bool((counts[p == 0] == 0).all()), counts
+    assert bool(((counts - n * p).abs() <= 6 * sigma).all()), (counts.tolist(), (n * p).tolist())
+    one_hot = torch.zeros(49152)
+    for i in (0, 17, 49151):
+        one_hot.zero_()
+        one_hot[i] = 1e-30  # however small, the only mass
+        assert {draw(one_hot, g) for _ in range(20)} == {i}
+    with pytest.raises(RuntimeError, match="invalid sampling distribution"):
+        draw(torch.zeros(5), g)
+    with pytest.raises(RuntimeError, match="invalid sampling distribution"):
+        draw(torch.tensor([1.0, float("nan")]), g)
 
 
 def test_top_p_on_a_large_vocabulary_keeps_what_the_full_sort_keeps() -> None:
@@ -345,6 +370,46 @@ def test_a_prompt_that_extends_a_finished_one_reuses_its_kv(tiny_model_path) -> 
         assert c.meta_info.cached_tokens == 0  # K/V of the old weights is gone
         (d,) = with_cache.generate(second + c.output_ids[:3], sp)
         assert d.meta_info.cached_tokens > len(second)  # and the cache fills again
+    finally:
+        with_cache.shutdown()
+        without.shutdown()
+
+
+def test_prompts_that_arrive_together_share_their_prefix(tiny_model_path) -> None:
+    """Prompts admitted in one step (a group of episodes starting at once, the samples of an n > 1 request, a
+    burst after a weight update emptied the cache) reuse each other's K/V, as SGLang's radix cache shares a
+    prefix between running requests: each computes only what the prompt before it in token order does not
+    hold, and every answer and log-prob is what the engine gives without any reuse."""
+    with_cache = CPUEngine(EngineConfig(model_path=str(tiny_model_path), max_running_requests=16))
+    without = CPUEngine(EngineConfig(model_path=str(tiny_model_path), prefix_cache_mb=0, max_running_requests=16))
+    system = list(range(100, 160))  # 60 tokens every prompt starts with
+    prompts = [system + [5, 6, 7], system + [5, 6, 8, 9], system + [30] * 12, system[:40] + [1, 2, 3], [9] * 30]
+    sp = SamplingParams(temperature=0.7, max_new_tokens=6, ignore_eos=True, sampling_seed=4)
+    try:
+        results = {}
+        for eng in (with_cache, without):
+            eng.pause("in_place")  # all of them queued first, so one step admits them together
+            seqs = [s for p in prompts for s in eng.new_sequences(p, sp, return_logprob=True)]
+            seqs += eng.new_sequences(prompts[0], sp.model_copy(update={"n": 3}), return_logprob=True)
+            for s in seqs:
+                eng.submit(s)
+            eng.resume()
+            for s in seqs:
+                assert s.done.wait(120)
+            results[eng] = [eng.result(s) for s in seqs]
+        got, want = results[with_cache], results[without]
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(torch.tensor([e[0] for e in a.meta_info.output_token_logprobs]),
+                                       torch.tensor([e[0] for e in b.meta_info.output_token_logprobs]), atol=1e-5,
+                                       rtol=0)
+        # in token order: [9]*30 shares nothing; system[:40] + [1, 2, 3] is first of the rest (40 over the cut);
+        # then prompts[0] x 4 (the n = 3 samples included: all but its last token), prompts[1] (62), prompts[2] (60)
+        cached = [r.meta_info.cached_tokens for r in got]
+        assert cached[4] == 0 and cached[3] == 0
+        assert sorted([cached[0], *cached[5:]]) == [40, 62, 62, 62]
+        assert cached[1] == 62 and cached[2] == 60
+        assert all(r.meta_info.cached_tokens == 0 for r in want)
     finally:
         with_cache.shutdown()
         without.shutdown()
