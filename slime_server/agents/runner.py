@@ -24,6 +24,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from slime_server.envs.base import DatasetRow, Environment, ToolOutput
+from slime_server.utils.net import tls_context
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,14 @@ class AgentRunner:
                   stop: Flag | None = None) -> RunSummary:
         """Play every row's group; once ``stop`` is set, episodes make no new call (a call in flight completes
         and is recorded, so nothing reaches the server after this returns) and end as ``cut``."""
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
         s = self.settings
         t0 = time.monotonic()
-        client = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=s.max_retries, timeout=s.timeout_s)
+        client = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=s.max_retries, timeout=s.timeout_s,
+                             http_client=DefaultAsyncHttpxClient(verify=tls_context()))  # one TLS setup per process
         rest = httpx.AsyncClient(base_url=s.base_url, headers={"Authorization": f"Bearer {s.api_key}"},
-                                 timeout=s.timeout_s)
+                                 timeout=s.timeout_s, verify=tls_context())
         try:
             model = s.model or (await client.models.list()).data[0].id
             if s.adapter:

@@ -40,6 +40,7 @@ from verifiers.clients.openai_chat_completions_client import OpenAIChatCompletio
 
 from slime_server.agents.runner import EpisodeCut, EpisodeResult, Flag, RunnerSettings, RunSummary, _post  # noqa: E402
 from slime_server.envs.base import verifiers_module  # noqa: E402
+from slime_server.utils.net import tls_context  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,9 @@ class VerifiersRunner:
     async def run(self, rows: Sequence[dict[str, Any]], *, stop: Flag | None = None) -> RunSummary:
         s = self.settings
         t0 = time.monotonic()
-        http = httpx.AsyncClient(timeout=s.timeout_s)
+        http = httpx.AsyncClient(timeout=s.timeout_s, verify=tls_context())  # one TLS setup per process, not per run
         rest = httpx.AsyncClient(base_url=s.base_url, headers={"Authorization": f"Bearer {s.api_key}"},
-                                 timeout=s.timeout_s)
+                                 timeout=s.timeout_s, verify=tls_context())
         try:
             lister = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, http_client=http)
             model = s.model or (await lister.models.list()).data[0].id
