@@ -16,7 +16,7 @@ import torch
 from slime_server.rollout.cpu_engine import SCHEDULER_OS_NAME, BadRequest, CPUEngine, EngineConfig
 from slime_server.rollout.engine_sequence import KV_INITIAL_HEADROOM
 from slime_server.rollout.protocol import SamplingParams
-from slime_server.rollout.sampling import filtered_probs, sample_token
+from slime_server.rollout.sampling import draw, filtered_probs, sample_token
 from tests._engine_helpers import hf_greedy, hf_model
 
 PROMPT = [31, 32, 33, 34]
@@ -49,6 +49,31 @@ def test_filters_only_restrict_sampling() -> None:
         tok, lp, _ = sample_token(logits, SamplingParams(temperature=0.5, top_p=0.6), g)
         assert tok in (0, 1)
         assert abs(lp - float(torch.log_softmax(logits / 0.5, -1)[tok])) < 1e-6  # pre-filter log-prob
+
+
+def test_draws_follow_the_weights() -> None:
+    """``draw`` (the engine's sampler) picks each index with probability weight / total: over 60,000 draws each
+    count lies within 6 standard deviations of its expectation (a false alarm ~1e-9 per index), an index of
+    weight 0 is never drawn (filtered tokens, padding), the first and the last index are reachable, a one-hot row
+    always gives its index, and a row without mass is an error rather than a token."""
+    g = torch.Generator().manual_seed(11)
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0, 1.0, 2.0]) * 7  # unnormalised
+    weights[0], weights[-1] = 0.25, 0.75
+    n = 60_000
+    counts = torch.bincount(torch.tensor([draw(weights, g) for _ in range(n)]), minlength=len(weights))
+    p = weights.double() / weights.double().sum()
+    sigma = torch.sqrt(n * p * (1 - p))
+    assert bool((counts[p == 0] == 0).all()), counts
+    assert bool(((counts - n * p).abs() <= 6 * sigma).all()), (counts.tolist(), (n * p).tolist())
+    one_hot = torch.zeros(49152)
+    for i in (0, 17, 49151):
+        one_hot.zero_()
+        one_hot[i] = 1e-30  # however small, the only mass
+        assert {draw(one_hot, g) for _ in range(20)} == {i}
+    with pytest.raises(RuntimeError, match="invalid sampling distribution"):
+        draw(torch.zeros(5), g)
+    with pytest.raises(RuntimeError, match="invalid sampling distribution"):
+        draw(torch.tensor([1.0, float("nan")]), g)
 
 
 def test_top_p_on_a_large_vocabulary_keeps_what_the_full_sort_keeps() -> None:

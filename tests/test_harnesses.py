@@ -97,9 +97,12 @@ def check_token_exact(traj) -> None:
 
 
 def run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """The harness's run; its output decoded as it was written: ``text=True`` would read it with universal newlines,
+    turning a lone carriage return the model wrote (the tiny model writes any byte) into a newline."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_"))}
-    done = subprocess.run(cmd, env={**full, **env}, cwd=cwd, capture_output=True, text=True, timeout=600,
+    done = subprocess.run(cmd, env={**full, **env}, cwd=cwd, capture_output=True, timeout=600,
                           stdin=subprocess.DEVNULL)
+    done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode(errors="replace")
     assert done.returncode == 0, f"{cmd[0]} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done
 

@@ -26,6 +26,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # bounded everywhere (enums, integer ranges, maxLength, maxItems): a model that knows no JSON still finishes it.
+# Whitespace too: the engines run with SGLang's --constrained-json-max-whitespace-cnt (any_whitespace otherwise lets
+# a sampled answer wander through newlines until max_tokens). With at most MAX_WS whitespace characters in each of
+# TRIP's ~32 gaps between JSON tokens, its longest answer is under 300 bytes (the note's 12 characters as
+# \uXXXX\uXXXX escapes 146, the rest ~77, the gaps 64), so 300 tokens of at least a byte each always reach the end.
 # The tiny model is asked without the length-bounded string (TINY_TRIP): it emits bytes no trained model would, and
 # xgrammar's UTF-8 is loose (it takes overlong forms such as E0 80 80, which decode to three U+FFFD), so the
 # characters it counted are not the ones Python counts; the JSON still parses.
@@ -44,6 +48,7 @@ TRIP = {
     "required": ["city", "days", "note", "plan"],
     "additionalProperties": False,
 }
+MAX_WS = 2
 TINY_TRIP = {**TRIP, "properties": {k: v for k, v in TRIP["properties"].items() if k != "note"},
              "required": ["city", "days", "plan"]}
 WEATHER = {"name": "get_weather", "description": "Weather for a city",
@@ -68,7 +73,8 @@ class Trip(BaseModel):
 def gateway(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
     path: Path = request.getfixturevalue("tiny_model_path" if request.param == "tiny" else "real_model_path")
     d = tmp_path_factory.mktemp(f"structured-{request.param}")
-    with engine_and_router(path, d) as router, running_gateway(router, path, d / "traj.db", d / "gw.log") as gw:
+    flags = {"constrained_json_max_whitespace_cnt": MAX_WS}
+    with engine_and_router(path, d, flags) as router, running_gateway(router, path, d / "traj.db", d / "gw.log") as gw:
         gw.trip = TINY_TRIP if request.param == "tiny" else TRIP  # type: ignore[attr-defined]
         yield gw
 

@@ -35,10 +35,26 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     if params.greedy:
         token = int(torch.argmax(logits))
     else:
-        probs = filtered_probs(lp.exp(), params)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+        token = draw(filtered_probs(lp.exp(), params), generator)
     top = top_logprobs(lp, top_logprobs_num) if top_logprobs_num else None
     return token, float(lp[token]), top
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index of a [vocab] row of non-negative weights, drawn with probability proportional to its weight:
+    the first index whose cumulative weight exceeds a uniform draw over the total.
+
+    Why not ``torch.multinomial``: drawing one sample without replacement, it draws an exponential variate for
+    every entry (~1-5 ms per token on a 49k vocabulary, 80 us on the tiny model's 1k, on one core: more than
+    the tiny model's whole decode step); this is one uniform variate, a cumulative sum and a binary search
+    (~70 us and ~10 us). The sum is in float64, so no token's weight is lost to rounding beside the rest."""
+    cdf = torch.cumsum(weights, 0, dtype=torch.float64)
+    total = cdf[-1]
+    if not bool(total > 0) or not bool(torch.isfinite(total)):
+        raise RuntimeError("invalid sampling distribution: the weights sum to zero or are not finite")
+    u = torch.rand((), generator=generator, dtype=torch.float64) * total
+    i = int(torch.searchsorted(cdf, u, right=True))  # cdf[i-1] <= u < cdf[i]: weights[i] > 0
+    return i if i < cdf.numel() else int(torch.nonzero(weights)[-1])  # u rounded up to the total
 
 
 def filtered_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
