@@ -124,10 +124,12 @@ def test_the_kernel_equals_torch_on_a_models_shapes(isa: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype) -> None:
+def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype, monkeypatch) -> None:
     """Threads split the rows into runs (gemv.c's thread_rows): a row's arithmetic must not depend on which
     thread takes it, nor on threads left without a block (fewer blocks than threads), nor on the prefetch of
-    the next block that more rows of x than one pass turn on."""
+    the next block that more rows of x than one pass turn on. Every call here runs on the team (no solo
+    threshold), small ones included."""
+    monkeypatch.setattr(gemv, "SOLO_MACS", 0)
     kernel = gemv.kernel(dtype)
     g = torch.Generator().manual_seed(11)
     before = torch.get_num_threads()
@@ -141,6 +143,19 @@ def test_every_thread_count_gives_the_same_bits(dtype: torch.dtype) -> None:
                 results.append(kernel(x, w, norm=norm, eps=EPS, resid=r))
             for y in results[1:]:
                 assert torch.equal(y, results[0]), (m, n, k)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_small_calls_run_on_one_thread_where_waking_the_team_costs_more(monkeypatch) -> None:
+    """Below SOLO_MACS multiply-adds a call runs on one thread; the threshold follows OpenMP's wait policy (sleeping
+    threads cost a wake-up per call: passive has one, spinning threads none); at or above it, torch's thread count."""
+    assert gemv.solo_macs("PASSIVE") == gemv.solo_macs("passive") > 0 == gemv.solo_macs(None) == gemv.solo_macs("ACTIVE")
+    before = torch.get_num_threads()
+    monkeypatch.setattr(gemv, "SOLO_MACS", 1000)
+    try:
+        torch.set_num_threads(2)
+        assert [gemv.threads_for(macs) for macs in (1, 999, 1000, 10**9)] == [1, 1, 2, 2]
     finally:
         torch.set_num_threads(before)
 
@@ -170,10 +185,11 @@ def test_the_build_is_cached_per_source_compiler_and_cpu(tmp_path: Path, monkeyp
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_the_lora_kernel_equals_torch(isa: str) -> None:
+def test_the_lora_kernel_equals_torch(isa: str, monkeypatch) -> None:
     """gemv.c's batched LoRA deltas (issue 43): every row through its own adapter slot, slot 0 left alone, equal to
     torch's matmuls per row to 1e-5 (relative to the delta's size); fused qkv-like parts and a lone projection; each
     thread count gives the same bits."""
+    monkeypatch.setattr(gemv, "SOLO_MACS", 0)  # each thread count as asked
     kernel = gemv.lora_kernel(isa)
     gen = torch.Generator().manual_seed(0)
     for parts, k in (((576, 192, 192), 576), ((576,), 1536)):

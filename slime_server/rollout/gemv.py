@@ -168,6 +168,28 @@ def target(isa: Isa | None = None) -> str | None:
     return None if lib is None else lib.slime_gemv_target().decode()
 
 
+def solo_macs(wait_policy: str | None) -> int:
+    """Multiply-adds below which a call runs on one thread rather than torch's team, for OpenMP's wait policy.
+
+    Why: each call is an OpenMP parallel region. With ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep between regions:
+    what a process sharing its cores wants, and what the test suite runs with) waking the team is a futex round
+    trip, ~40-50 us of CPU per call, while a decode step's matmuls on a small model take 10-100 us alone: on a
+    2-core AMD EPYC (``tools/bench_gemv_threads.py``, 2026-11-29) two threads were no faster in wall time than one
+    up to ~3M multiply-adds (the tiny model's every matmul; SmolLM2's at one row but its logits) and cost 1.3-6x
+    the CPU. Spinning threads (the default policy, or active) wake at once: there the team was faster at every
+    size measured, so it always runs."""
+    return 4_000_000 if (wait_policy or "").strip().lower() == "passive" else 0
+
+
+# read once, as libgomp reads its environment once (at torch's import)
+SOLO_MACS = solo_macs(os.environ.get("OMP_WAIT_POLICY"))
+
+
+def threads_for(macs: int) -> int:
+    """The threads a call of ``macs`` multiply-adds runs on (``SOLO_MACS``)."""
+    return 1 if macs < SOLO_MACS else torch.get_num_threads()
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -194,7 +216,7 @@ class Gemv:
         y = torch.empty((m, n), dtype=self.dtype)
         pre = PRE_RMSNORM if norm is not None else PRE_SILU_MUL if silu_mul else PRE_NONE
         if self._fn(weight.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, weight.stride(0), pre, _ptr(norm), eps,
-                    _ptr(bias), _ptr(resid), torch.get_num_threads()):
+                    _ptr(bias), _ptr(resid), threads_for(m * n * k)):
             raise MemoryError("gemv: no memory for the pre-op's rows")
         return y
 
@@ -224,9 +246,10 @@ class LoraDeltas:
                 or any(t.dtype != torch.float32 or not t.is_contiguous() for t in (x, a, *bts))):
             raise ValueError(f"lora: x {tuple(x.shape)}, a {tuple(a.shape)}, y {tuple(y.shape)} do not fit")
         parts = len(bts)
+        macs = m * (a.shape[1] * k + bts[0].shape[1] * y.shape[1])  # A x, then r rows of B per output
         self._fn(x.data_ptr(), m, k, slots.data_ptr(), a.data_ptr(), a.shape[1], parts,
                  (ctypes.c_int64 * parts)(*[b.data_ptr() for b in bts]), (ctypes.c_int64 * parts)(*outs),
-                 bts[0].shape[1], y.data_ptr(), y.stride(0), torch.get_num_threads())
+                 bts[0].shape[1], y.data_ptr(), y.stride(0), threads_for(macs))
 
 
 def lora_kernel(isa: Isa | None = None) -> LoraDeltas | None:
