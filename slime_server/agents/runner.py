@@ -81,6 +81,13 @@ class RunSummary(BaseModel):
     results: list[EpisodeResult]
 
 
+def rest_client(s: RunnerSettings) -> httpx.AsyncClient:
+    """The client for the server's own routes (sessions, rewards, closes), with the runner's key; the process's
+    one TLS context (building one loads the CA bundle)."""
+    return httpx.AsyncClient(base_url=s.base_url, headers={"Authorization": f"Bearer {s.api_key}"},
+                             timeout=s.timeout_s, verify=tls_context())
+
+
 async def _post(rest: httpx.AsyncClient, path: str, body: dict[str, Any], tries: int = 4) -> httpx.Response:
     """POST that rides out a transient server failure (502/503/504, a dropped connection: a busy store,
     a restarting gateway) with backoff; the calls it is used for are harmless to repeat (a reward has its
@@ -121,8 +128,7 @@ class AgentRunner:
         t0 = time.monotonic()
         client = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=s.max_retries, timeout=s.timeout_s,
                              http_client=DefaultAsyncHttpxClient(verify=tls_context()))  # one TLS setup per process
-        rest = httpx.AsyncClient(base_url=s.base_url, headers={"Authorization": f"Bearer {s.api_key}"},
-                                 timeout=s.timeout_s, verify=tls_context())
+        rest = rest_client(s)
         try:
             model = s.model or (await client.models.list()).data[0].id
             if s.adapter:

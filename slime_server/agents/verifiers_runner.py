@@ -38,7 +38,15 @@ if not vf.__version__.startswith(SUPPORTED + "."):  # before its modules are rea
 
 from verifiers.clients.openai_chat_completions_client import OpenAIChatCompletionsClient  # noqa: E402
 
-from slime_server.agents.runner import EpisodeCut, EpisodeResult, Flag, RunnerSettings, RunSummary, _post  # noqa: E402
+from slime_server.agents.runner import (  # noqa: E402
+    EpisodeCut,
+    EpisodeResult,
+    Flag,
+    RunnerSettings,
+    RunSummary,
+    _post,
+    rest_client,
+)
 from slime_server.envs.base import verifiers_module  # noqa: E402
 from slime_server.utils.net import tls_context  # noqa: E402
 
@@ -170,8 +178,7 @@ class VerifiersRunner:
         s = self.settings
         t0 = time.monotonic()
         http = httpx.AsyncClient(timeout=s.timeout_s, verify=tls_context())  # one TLS setup per process, not per run
-        rest = httpx.AsyncClient(base_url=s.base_url, headers={"Authorization": f"Bearer {s.api_key}"},
-                                 timeout=s.timeout_s, verify=tls_context())
+        rest = rest_client(s)
         try:
             lister = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, http_client=http)
             model = s.model or (await lister.models.list()).data[0].id
