@@ -375,6 +375,46 @@ def test_a_prompt_that_extends_a_finished_one_reuses_its_kv(tiny_model_path) -> 
         without.shutdown()
 
 
+def test_prompts_that_arrive_together_share_their_prefix(tiny_model_path) -> None:
+    """Prompts admitted in one step (a group of episodes starting at once, the samples of an n > 1 request, a
+    burst after a weight update emptied the cache) reuse each other's K/V, as SGLang's radix cache shares a
+    prefix between running requests: each computes only what the prompt before it in token order does not
+    hold, and every answer and log-prob is what the engine gives without any reuse."""
+    with_cache = CPUEngine(EngineConfig(model_path=str(tiny_model_path), max_running_requests=16))
+    without = CPUEngine(EngineConfig(model_path=str(tiny_model_path), prefix_cache_mb=0, max_running_requests=16))
+    system = list(range(100, 160))  # 60 tokens every prompt starts with
+    prompts = [system + [5, 6, 7], system + [5, 6, 8, 9], system + [30] * 12, system[:40] + [1, 2, 3], [9] * 30]
+    sp = SamplingParams(temperature=0.7, max_new_tokens=6, ignore_eos=True, sampling_seed=4)
+    try:
+        results = {}
+        for eng in (with_cache, without):
+            eng.pause("in_place")  # all of them queued first, so one step admits them together
+            seqs = [s for p in prompts for s in eng.new_sequences(p, sp, return_logprob=True)]
+            seqs += eng.new_sequences(prompts[0], sp.model_copy(update={"n": 3}), return_logprob=True)
+            for s in seqs:
+                eng.submit(s)
+            eng.resume()
+            for s in seqs:
+                assert s.done.wait(120)
+            results[eng] = [eng.result(s) for s in seqs]
+        got, want = results[with_cache], results[without]
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(torch.tensor([e[0] for e in a.meta_info.output_token_logprobs]),
+                                       torch.tensor([e[0] for e in b.meta_info.output_token_logprobs]), atol=1e-5,
+                                       rtol=0)
+        # in token order: [9]*30 shares nothing; system[:40] + [1, 2, 3] is first of the rest (40 over the cut);
+        # then prompts[0] x 4 (the n = 3 samples included: all but its last token), prompts[1] (62), prompts[2] (60)
+        cached = [r.meta_info.cached_tokens for r in got]
+        assert cached[4] == 0 and cached[3] == 0
+        assert sorted([cached[0], *cached[5:]]) == [40, 62, 62, 62]
+        assert cached[1] == 62 and cached[2] == 60
+        assert all(r.meta_info.cached_tokens == 0 for r in want)
+    finally:
+        with_cache.shutdown()
+        without.shutdown()
+
+
 def test_reused_prefix_prefill_in_chunks_answers_the_same(tiny_model_path, monkeypatch) -> None:
     """After a reused prefix the prefill's causal mask is built per chunk of queries (bounded memory on long
     agent prompts): many small chunks give the same answer as no reuse."""

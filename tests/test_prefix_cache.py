@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slime_server.rollout.prefix_cache import PrefixCache
+from slime_server.rollout.prefix_cache import Donor, PrefixCache
 from slime_server.utils.sequences import common_prefix
 
 
@@ -76,3 +76,21 @@ def test_a_sessions_next_turn_supersedes_its_last() -> None:
     assert got == len(turn2) and kv[0][0][0, :, 0].tolist() == turn2
     cache.clear()
     assert (len(cache), cache.tokens, cache.match(turn2)) == (0, 0, (None, 0, None))
+
+
+def test_a_donor_lends_its_buffers_where_it_shares_more_than_the_cache() -> None:
+    """A prompt prefilled just before in the same step (``Donor``: not finished, so not in the cache) is reused
+    where it shares a longer prefix than any entry, at least ``min_match`` tokens, in the same namespace, and never
+    past the asking prompt's last token; otherwise the cache's entry (or nothing) stands."""
+    cache = PrefixCache(max_tokens=1000, min_match=4)
+    ids = list(range(50))
+    cache.put(ids[:20], kv_of(ids[:20]))
+    donor = Donor([0, *ids[:35]], kv_of(ids[:35]))
+    kv, got, _ = cache.match(ids, donor=donor)
+    assert got == 35 and kv is donor.kv
+    assert cache.match(ids[:30], donor=donor)[1] == 29  # the last prompt token is always computed
+    assert cache.match(ids, donor=Donor([0, *ids[:10]], kv_of(ids[:10])))[1] == 20  # the cache shares more
+    assert cache.match(ids, namespace=2, donor=donor) == (None, 0, None)  # another adapter's K/V
+    fresh = PrefixCache(max_tokens=1000, min_match=4)
+    assert fresh.match(ids, donor=Donor([0, *ids[:3]], kv_of(ids[:3]))) == (None, 0, None)  # under min_match
+    assert fresh.match(ids, donor=donor)[1] == 35 and (fresh.hits, fresh.reused_tokens) == (1, 35)

@@ -55,7 +55,7 @@ from slime_server.rollout.engine_vision import EngineVision, ImageError, PromptI
 from slime_server.rollout.grammar import EngineGrammars, GrammarError
 from slime_server.rollout.hf_forward import hf_decode, hf_prefill
 from slime_server.rollout.lean_forward import LeanForward
-from slime_server.rollout.prefix_cache import NO_REUSE, PrefixCache
+from slime_server.rollout.prefix_cache import NO_REUSE, Donor, PrefixCache
 from slime_server.rollout.protocol import FinishReason, GenerateOutput, SamplingParams
 from slime_server.rollout.sampling import sample_token
 from slime_server.utils.procs import name_os_thread
@@ -433,8 +433,9 @@ class CPUEngine:
             try:
                 self.threads.follow()
                 with torch.inference_mode():
-                    for seq in admitted:
-                        self._prefill(seq)
+                    donor = None  # prompts in lexicographic order: each may reuse the one before (Donor)
+                    for seq in sorted(admitted, key=_prefix_key) if self.prefix_cache is not None else admitted:
+                        donor = self._prefill(seq, donor)
                     running = [s for s in running if s.finish is None]
                     if running:
                         self._decode(running)
@@ -477,7 +478,9 @@ class CPUEngine:
             used += s.reserved_tokens
         return admitted
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, seq: Sequence, donor: Donor | None = None) -> Donor | None:
+        """Compute ``seq``'s prompt K/V (reusing the prefix cache's or ``donor``'s) and sample its first token;
+        returns what the next prompt may reuse from it."""
         resumed = bool(seq.output_ids)  # retracted by a pause: recompute its KV, sample nothing here
         ids = seq.prompt_ids + seq.output_ids[:-1]
         want_input = seq.return_logprob and seq.logprob_start_len >= 0 and not resumed
@@ -485,8 +488,8 @@ class CPUEngine:
         cap = max(n_prompt, min(seq.reserved_tokens, n_prompt + KV_INITIAL_HEADROOM))  # grows by doubling
         if self.lean is not None:
             seq.kv = self.lean.new_kv(cap)
-            reused, start, routes = (self.prefix_cache.match(seq.cache_key()[:n_prompt], _namespace(seq))
-                                     if self.prefix_cache and not want_input else NO_REUSE)
+            reused, start, routes = (self.prefix_cache.match(seq.cache_key()[:n_prompt], _namespace(seq), donor)
+                                     if self.prefix_cache is not None and not want_input else NO_REUSE)
             for (kb, vb), (ck, cv) in zip(seq.kv, reused or [], strict=False):
                 kb[:, :start], vb[:, :start] = ck[:, :start], cv[:, :start]
             seq.cached_tokens = start
@@ -501,8 +504,13 @@ class CPUEngine:
         seq.kv_len = n_prompt
         self.stats["prefill_tokens"] += n_prompt
         self.last_progress = time.monotonic()
-        if resumed:
-            return
+        lent = (Donor([_namespace(seq), *seq.cache_key()[:n_prompt]], seq.kv, engine_routes.held(seq))
+                if self.prefix_cache is not None and self.lean is not None else None)  # before a finish drops kv
+        if not resumed:
+            self._first_token(seq, logits, want_input)
+        return lent
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor, want_input: bool) -> None:
         if want_input:
             input_logprobs(seq, logits)
         if seq.params.max_new_tokens == 0:
@@ -569,6 +577,11 @@ class CPUEngine:
     def result(self, seq: Sequence) -> GenerateOutput:
         """SGLang-shaped output of ``seq`` so far (``engine_output.output_of``)."""
         return output_of(seq, self.tokenizer, self.weight_version)
+
+
+def _prefix_key(seq: Sequence) -> list[int]:
+    """What orders a step's prompts so that each shares the most with the one before it (prefix_cache.Donor)."""
+    return [_namespace(seq), *seq.cache_key()]
 
 
 def _namespace(seq: Sequence) -> int:

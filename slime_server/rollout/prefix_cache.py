@@ -2,7 +2,10 @@
 
 An agent's next turn is its last turn's prompt and answer plus a little more, so the engine keeps
 the K/V of finished generations (compact copies) and a new prompt that starts with one
-of them computes only its new tokens. Entries are whole token sequences, matched by longest common
+of them computes only its new tokens. Prompts that arrive together share too (``Donor``): a group of
+episodes starting at once, the samples of one ``n > 1`` request, a burst after a weight update emptied the
+cache all share a system prompt that no finished generation holds yet; the engine prefills them in the
+lexicographic order of their tokens and each may reuse the buffers of the one prefilled just before it. Entries are whole token sequences, matched by longest common
 prefix, evicted least-recently-used within a token budget. K/V depends on the weights: the engine
 clears this cache on every weight update and on ``/flush_cache``.
 
@@ -48,6 +51,14 @@ class Reuse(NamedTuple):
 
 
 NO_REUSE = Reuse(None, 0)
+
+
+class Donor(NamedTuple):
+    """A sequence prefilled just before, in the same step: its buffers, not copied (it is not finished)."""
+
+    ids: list[int]  # [namespace, *tokens] whose K/V its buffers hold
+    kv: KV
+    routes: torch.Tensor | None = None
 
 
 class PrefixCache:
@@ -98,9 +109,11 @@ class PrefixCache:
         self._sorted_ids.insert(i, entry.ids)
         self._sorted_keys.insert(i, key)
 
-    def match(self, ids: list[int], namespace: int = 0) -> Reuse:
+    def match(self, ids: list[int], namespace: int = 0, donor: Donor | None = None) -> Reuse:
         """The buffers of the entry (of ``namespace``) sharing the longest prefix with ``ids`` and that length (at
-        most ``len(ids) - 1``: the last prompt token is always computed, its logits are needed)."""
+        most ``len(ids) - 1``: the last prompt token is always computed, its logits are needed); ``donor``'s
+        where it shares more. Why only one donor: prompts prefilled in lexicographic order, the one sharing the
+        longest prefix with a prompt among those before it is the one just before it."""
         n = len(ids)
         ids = [namespace, *ids]  # ordered against the entries' keys, namespace first
         i = bisect_left(self._sorted_ids, ids)
@@ -111,6 +124,12 @@ class PrefixCache:
                 if m > best:
                     best_key, best = self._sorted_keys[j], m
         best = min(best - 1, n - 1)  # tokens past the namespace; none when the namespace differs (best 0)
+        if donor is not None:
+            lent = min(common_prefix(donor.ids, ids) - 1, n - 1)
+            if lent > best and lent >= self.min_match:
+                self.hits += 1
+                self.reused_tokens += lent
+                return Reuse(donor.kv, lent, donor.routes)
         if best_key is None or best < self.min_match:
             return NO_REUSE
         self._entries.move_to_end(best_key)
