@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from slime_server.rollout.gemv import solo_macs
+
 # (n, k) of each decode matmul: fused qkv, o, fused gate|up, down, the logits
 SHAPES = {"tiny": ["512x256", "256x256", "1536x256", "256x768", "1152x256"],
           "smollm2": ["960x576", "576x576", "3072x576", "576x1536", "49152x576"]}
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--budget", type=float, default=2e8, help="multiply-adds per timed round (sets repetitions)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.threads < 2:
+        ap.error("--threads: a team is 2 threads or more (one is what it is compared with)")
     if args.child:
         print(json.dumps(_measure(args.rows, args.shapes, args.threads, args.budget)))
         return []
@@ -77,8 +81,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
                "--threads", str(args.threads), "--budget", str(args.budget)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         rows = json.loads(done.stdout.splitlines()[-1])
-        from slime_server.rollout.gemv import solo_macs
-
         threshold = solo_macs(None if policy == "default" else policy)
         print(f"OMP_WAIT_POLICY={policy} (one thread below {threshold:,} multiply-adds), team of {args.threads}:")
         print(f"{'rows':>4} {'matrix':>10} {'MACs':>11} | {'1 thread: wall':>14} {'cpu':>8} | {'team: wall':>10} "
