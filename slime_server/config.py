@@ -228,6 +228,10 @@ class TrainerSettings(_Section):
     share_prefixes: bool = Field(True, description="compute the prefixes that samples share (a group's prompt, "
                                  "the system prompt) once per micro-batch: a token tree, exact up to rounding")
     work_dir: str = Field("slime_server_jobs", description="checkpoints and TensorBoard runs, one dir per job")
+    warm_ranks_s: float | None = Field(
+        None, ge=0, description="after a job, its rank processes wait this long, idle and holding none of its state, "
+        "for the next job of the same shape, which then starts without importing torch and Megatron again; 0: "
+        "they stop with the job. Default: 300 for CPU ranks, 0 for GPU ranks (each would keep a CUDA context)")
     megatron_args: dict[str, Any] = Field(
         default_factory=dict, description="Megatron TransformerConfig overrides (from --megatron-key value flags)")
 

@@ -139,3 +139,8 @@ def test_replay_of_an_export_repeats_the_jobs_losses(server: Any, tmp_path: Path
     for r in replays:
         assert r["step"] == 3
         assert [(m["step"], *(m["metrics"][k] for k in keys)) for m in metrics(server, r["id"])] == want
+    # ... though the replays trained in the processes the job before each left (trainer.warm_ranks_s): a rank
+    # process kept for another job starts it as a new one would
+    with admin(server) as c:
+        ready = [next(e["data"] for e in job_events(c, r["id"]) if e["kind"] == "trainer_ready") for r in replays]
+    assert [d["warm"] for d in ready] == [True, True], ready

@@ -396,6 +396,10 @@ class JobManager:
         run = self._running[job_id]
         loop = run.loop
         dropped = (loop.state.dropped_stale, loop.state.dropped_zero_variance, loop.state.dropped_incomplete)
+        with self._lock:
+            ending = [r.thread for i, r in self._running.items() if i != job_id]
+        for thread in ending:  # a job that just ended lets go of its trainer first: one trainer at a time (its
+            thread.join(timeout=120)  # cores go back, and its idle ranks can start this job: trainer.warm_ranks_s)
         try:
             if self._row(job_id).status == "queued":
                 self.jobs.update_job(job_id, status="running")

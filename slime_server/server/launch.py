@@ -26,6 +26,7 @@ from slime_server.rollout.engine_auth import engine_key
 from slime_server.rollout.router import RouterProcess
 from slime_server.server.core_share import CoreShare
 from slime_server.trainer.settings import LossConfig
+from slime_server.trainer.warm_ranks import WARM
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +273,10 @@ class Deployment:
         return self._actors[url]
 
     def shutdown(self) -> None:
-        """Stop engines, then the router, then Ray if we started it. Safe to call twice."""
+        """Stop idle trainer ranks and engines, then the router, then Ray if we started it. Safe to call twice."""
         with self._lock:
             actors, self._actors = list(self._actors.values()), {}
+        WARM.clear()  # idle trainer ranks go with the engines
         for actor in actors:
             _stop_actor(actor)
         self.router.close()
@@ -302,6 +304,14 @@ def _stop_actor(actor: Any) -> None:
         ray.kill(actor)
     except Exception:  # noqa: BLE001 - Ray itself may be gone (Ctrl-C reached its processes too)
         pass
+
+
+def warm_ranks_s(trainer: TrainerSettings) -> float:
+    """How long a finished job's ranks wait for the next job (``trainer.warm_ranks_s``; unset: 300 s on CPU, none
+    on GPU)."""
+    if trainer.warm_ranks_s is not None:
+        return trainer.warm_ranks_s
+    return 0.0 if trainer.num_gpus_per_rank else 300.0
 
 
 def rank_registry(trainer: TrainerSettings) -> Path:
@@ -336,7 +346,7 @@ def start_trainer_group(model_path: str, trainer: TrainerSettings, *, optimizer:
         group = TrainerGroup(rank_settings, trainer.num_ranks,
                              num_cpus_per_rank=0.0 if trainer.colocate else trainer.num_cpus_per_rank,
                              num_gpus_per_rank=trainer.num_gpus_per_rank, resources=trainer.ray_resources,
-                             registry=rank_registry(trainer), on_shutdown=on_shutdown)
+                             registry=rank_registry(trainer), on_shutdown=on_shutdown, keep_s=warm_ranks_s(trainer))
     except BaseException:  # no group to shut down: give its cores back here
         if on_shutdown is not None:
             on_shutdown()

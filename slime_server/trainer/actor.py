@@ -9,9 +9,11 @@ them at one rendezvous). Every collective method (``train_step``, ``compute_logp
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,9 +42,10 @@ from slime_server.trainer.train_step import (
     train_step,
 )
 from slime_server.trainer.types import TrainSample
+from slime_server.trainer.warm_ranks import WARM
 from slime_server.trainer.weight_push import DEFAULT_BUCKET_BYTES, WeightPusher, is_push_sender
 from slime_server.utils.affinity import pin_process
-from slime_server.utils.shm import forget_ranks, reap_dead_pids, record_ranks
+from slime_server.utils.shm import forget_ranks, reap_dead_pids, reap_own, record_ranks
 from slime_server.weights import SharedStaging, share_in_place
 
 if TYPE_CHECKING:
@@ -62,6 +65,25 @@ class RendezvousInfo(BaseModel):
     def export(self) -> None:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+
+
+@dataclass(frozen=True)
+class ProcessStart:
+    """What a rank process started with, that a job changes: its cores, torch's threads and default seed."""
+
+    cores: frozenset[int]
+    threads: int
+    seed: int
+
+    @classmethod
+    def capture(cls) -> ProcessStart:
+        return cls(frozenset(os.sched_getaffinity(0)), torch.get_num_threads(), torch.initial_seed())
+
+    def restore(self) -> None:
+        if set(os.sched_getaffinity(0)) != self.cores:
+            pin_process(sorted(self.cores))
+        torch.set_num_threads(self.threads)
+        torch.manual_seed(self.seed)
 
 
 class TrainerRankSettings(BaseModel):
@@ -105,6 +127,7 @@ class TrainerRank:
         self.step = 0
         self.policy_version = 0
         self._store: Any = None  # rank 0's rendezvous store (open_rendezvous), bound before the others join
+        self._start = ProcessStart.capture()  # what reuse() gives back to a process kept for another job
 
     @staticmethod
     def node_ip() -> str:
@@ -347,6 +370,8 @@ class TrainerRank:
         return self.node_id(), socket.gethostname(), os.getpid()
 
     def shutdown(self) -> None:
+        """Leave the group and let go of the job: pushers, process groups, the models, the optimizer and the
+        shared-memory buffers (a process kept for the next job holds none of this one's)."""
         if getattr(self, "_adapters", None) is not None:
             self._adapters.close()
             self._adapters = None
@@ -354,6 +379,25 @@ class TrainerRank:
             self._pusher.close()
             self._pusher = None
         destroy_parallel()
+        self.bundle = self.reference = self.critic = None
+        self._staging = self._store = None
+        self._pusher_key = self._adapter_key = None
+        gc.collect()
+
+    def keep_for_later(self) -> tuple[int, int]:
+        """After ``shutdown``, before this process waits for another job: its shared-memory files removed (the
+        engines may still map the last push's; ``utils/shm.reap_own``); (files, bytes)."""
+        return reap_own()
+
+    def reuse(self, settings: TrainerRankSettings) -> int:
+        """This process, shut down after another job, becomes a fresh rank with ``settings``: as a new process
+        starts (cores, torch threads, torch's default seed), ready for ``setup``. Returns the pid."""
+        start = self._start
+        self.shutdown()
+        self.__init__(settings)  # type: ignore[misc]  # every field as a new rank has it
+        self._start = start
+        start.restore()
+        return os.getpid()
 
 
 class TrainerGroup:
@@ -361,17 +405,35 @@ class TrainerGroup:
 
     def __init__(self, settings: TrainerRankSettings, world_size: int, *, num_cpus_per_rank: float = 1.0,
                  num_gpus_per_rank: float = 0.0, resources: dict[str, float] | None = None,
-                 registry: str | Path | None = None, on_shutdown: Callable[[], None] | None = None) -> None:
+                 registry: str | Path | None = None, on_shutdown: Callable[[], None] | None = None,
+                 keep_s: float = 0.0) -> None:
+        """``keep_s``: after a clean shutdown the rank processes wait that long, idle, for the next group of
+        the same shape, which takes them instead of starting its own (``trainer/warm_ranks.py``); 0: they stop."""
         import ray
 
         if world_size % (settings.tp_size * settings.pp_size):
             raise ValueError(f"world size {world_size} is not divisible by TP {settings.tp_size} x PP "
                              f"{settings.pp_size}")
-        remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
-                                resources=dict(resources or {}) or None)(TrainerRank)
         self.world_size = world_size
-        self.actors = [remote_cls.remote(settings) for _ in range(world_size)]
+        self.keep_s = keep_s
+        # the Ray cluster (a node id is new with every start) and what each rank reserves in it
+        self.shape = (ray.get_runtime_context().get_node_id(), world_size, num_cpus_per_rank, num_gpus_per_rank,
+                      tuple(sorted((resources or {}).items())))
+        self.reused = False
+        self._closed = False
         self._ranks: list[tuple[str, str, int]] = []  # (node id, host, pid) of every rank once set up: shutdown
+        warm = WARM.take(self.shape)
+        if warm is not None:
+            try:
+                ray.get([a.reuse.remote(settings) for a in warm.actors], timeout=60)
+                self.actors, self._ranks, self.reused = warm.actors, warm._ranks, True
+            except Exception:  # noqa: BLE001 - a rank that died while it waited: start afresh
+                log.warning("idle trainer ranks could not be reused; starting new ones", exc_info=True)
+                warm.stop()
+        if not self.reused:
+            remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
+                                    resources=dict(resources or {}) or None)(TrainerRank)
+            self.actors = [remote_cls.remote(settings) for _ in range(world_size)]
         # reaps them. Where the ranks are recorded while they run (utils/shm.record_ranks): a server killed before
         # it could shut them down leaves their buckets in /dev/shm, and the next one on the host removes them
         self.registry = Path(registry) if registry is not None else None
@@ -456,17 +518,37 @@ class TrainerGroup:
         return ray.get([a.pid.remote() for a in self.actors])
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop every rank; a rank that is already dead (killed, crashed) is only reaped."""
+        """Every rank lets go of the job; then, when all did and ``keep_s`` says so, the processes wait for the
+        next group of this shape, else they stop (a rank already dead, killed or crashed, is only reaped). Once."""
         import ray
 
+        if self._closed:
+            return
+        self._closed = True
         refs = [a.shutdown.remote() for a in self.actors]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        for a in self.actors:
-            ray.kill(a)
-        self.reap_shared_memory()
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        clean = len(ready) == len(refs) and self.keep_s > 0
+        if clean:
+            try:
+                ray.get(ready)
+                ray.get([a.keep_for_later.remote() for a in self.actors], timeout=timeout)
+            except Exception:  # noqa: BLE001 - a rank that failed to let go (or is dead) is not kept
+                clean = False
+        if clean:
+            WARM.put(self.shape, self, self.stop, self.keep_s)
+        else:
+            self.stop()
         done, self._on_shutdown = self._on_shutdown, None
         if done is not None:
             done()
+
+    def stop(self) -> None:
+        """End the rank processes and remove what they leave in shared memory."""
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.reap_shared_memory()
 
     def reap_shared_memory(self, wait_s: float = 10.0) -> tuple[int, int]:
         """Remove the weight buckets (``/dev/shm/torch_<pid>_*``) of this group's rank processes once they are

@@ -178,7 +178,8 @@ class TrainLoop:
         self.trainer = self.make_trainer()
         self._restore()
         self.on_event("trainer_ready", {"version": self.state.version, "step": self.state.step,
-                                        "seconds": round(time.monotonic() - t0, 3)})
+                                        "seconds": round(time.monotonic() - t0, 3),
+                                        "warm": bool(getattr(self.trainer, "reused", False))})
 
     def _restore(self) -> None:
         assert self.trainer is not None

@@ -61,6 +61,14 @@ def reap_dead_pids(pids: Iterable[int], wait_s: float = 0.0, root: str = SHM_ROO
     return _unlink(root, [n for p in pending if not pid_alive(p) for n in files.get(p, [])])
 
 
+def reap_own(root: str = SHM_ROOT) -> tuple[int, int]:
+    """Remove this process's own torch shared-memory files; (files, bytes). For a trainer rank that let go of every
+    shared tensor and lives on, kept for another job (``trainer/warm_ranks.py``): an engine that copied from its
+    parameters may still map them, which keeps torch from unlinking them, and no dead pid would ever name them.
+    Unlinking a name leaves every mapping of it valid; the pages go with the last one."""
+    return _unlink(root, torch_shm_files(root).get(os.getpid(), []))
+
+
 def reap_all_dead(root: str = SHM_ROOT) -> tuple[int, int]:
     """Remove every torch shared-memory file whose creating process is gone (a machine of one's own only,
     such as the test suite's: it cannot tell whose files they were)."""
