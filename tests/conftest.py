@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +128,40 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI (SLIME_STRICT_SKIPS=1), which installs every dependency: {reason}"
 
+
+
+WORKER_RAY_CPUS = 16  # logical: more than any test's engines and ranks reserve at once, so none waits on another's
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_ray_per_process() -> Iterator[None]:
+    """The servers a test starts in this process join one local Ray cluster, which the first of them starts and
+    the session's end stops; each used to start and stop its own (about 4 s and 4 CPU-s a time, some twenty times
+    a run). The real ``launch._init_ray`` starts it, with every setting the server passes but the CPU count; a
+    cluster address is joined as before. CLI subprocesses still start their own, as users' do; a test that needs
+    a Ray of its own shuts this one down first (test_two_nodes, test_trainer_tp), and the next server starts
+    another."""
+    from slime_server.server import launch
+
+    real = launch._init_ray
+
+    def join_or_start(settings: Any) -> bool:
+        import ray
+
+        if settings.ray.address:
+            return real(settings)
+        if not ray.is_initialized():
+            real(settings.model_copy(update={"ray": settings.ray.model_copy(update={
+                "num_cpus": max(settings.ray.num_cpus or 0, WORKER_RAY_CPUS)})}))
+        return False  # the session's: no server's shutdown stops it
+
+    launch._init_ray = join_or_start
+    try:
+        yield
+    finally:
+        launch._init_ray = real
+        if "ray" in sys.modules:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()

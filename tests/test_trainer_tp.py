@@ -184,6 +184,8 @@ def test_ray_trainer_group_of_two(runs: dict[str, dict], split: str) -> None:
 
     core = max(os.sched_getaffinity(0))
     settings = TrainerRankSettings.model_validate(runs["settings"]).model_copy(update={split: 2, "cpus": [core]})
+    if ray.is_initialized():  # the session's (conftest): this test sizes its own
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a stale cluster
     try:
         group = TrainerGroup(settings, world_size=2)
