@@ -25,23 +25,9 @@ from pathlib import Path
 
 import httpx
 
-from slime_server.utils.net import find_free_port
+from slime_server.utils.net import find_free_port, wait_http_ok
 
 CONVERSATIONS = [("What is 2 + 2?", "4"), ("Say hi.", "Hi!"), ("Name a colour.", "Blue."), ("Count to 3.", "1 2 3")]
-
-
-def wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("serve did not come up")
 
 
 def events(c: httpx.Client, job_id: str) -> list[dict]:
@@ -65,7 +51,7 @@ def one_server(warm: bool, jobs: int, work: Path) -> list[dict]:
     url = f"http://127.0.0.1:{port}"
     out = []
     try:
-        wait_up(url, proc)
+        wait_http_ok(f"{url}/health", timeout=300, proc=proc)
         with httpx.Client(base_url=url, timeout=300) as c:
             for _ in range(jobs):
                 t0 = time.monotonic()

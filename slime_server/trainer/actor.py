@@ -390,10 +390,9 @@ class TrainerRank:
         return reap_own()
 
     def reuse(self, settings: TrainerRankSettings) -> int:
-        """This process, shut down after another job, becomes a fresh rank with ``settings``: as a new process
+        """This process, shut down (``shutdown``) after another job, becomes a fresh rank with ``settings``: as a new process
         starts (cores, torch threads, torch's default seed), ready for ``setup``. Returns the pid."""
         start = self._start
-        self.shutdown()
         self.__init__(settings)  # type: ignore[misc]  # every field as a new rank has it
         self._start = start
         start.restore()
@@ -422,6 +421,10 @@ class TrainerGroup:
         self.reused = False
         self._closed = False
         self._ranks: list[tuple[str, str, int]] = []  # (node id, host, pid) of every rank once set up: shutdown
+        # reaps them. Where the ranks are recorded while they run (utils/shm.record_ranks): a server killed before
+        # it could shut them down leaves their buckets in /dev/shm, and the next one on the host removes them
+        self.registry = Path(registry) if registry is not None else None
+        self._on_shutdown = on_shutdown  # once, at the first shutdown (the launcher gives the cores back)
         warm = WARM.take(self.shape)
         if warm is not None:
             try:
@@ -434,10 +437,6 @@ class TrainerGroup:
             remote_cls = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
                                     resources=dict(resources or {}) or None)(TrainerRank)
             self.actors = [remote_cls.remote(settings) for _ in range(world_size)]
-        # reaps them. Where the ranks are recorded while they run (utils/shm.record_ranks): a server killed before
-        # it could shut them down leaves their buckets in /dev/shm, and the next one on the host removes them
-        self.registry = Path(registry) if registry is not None else None
-        self._on_shutdown = on_shutdown  # once, at the first shutdown (the launcher gives the cores back)
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         import ray
