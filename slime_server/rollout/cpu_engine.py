@@ -339,8 +339,10 @@ class CPUEngine:
         return self._paused
 
     def load(self) -> dict[str, int]:
+        # a request finished in this step stays in _running until the scheduler takes the lock again: not counted
         with self._cv:
-            return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+            return {"num_running_reqs": sum(1 for s in self._running if s.finish is None),
+                    "num_waiting_reqs": len(self._waiting)}
 
     def shutdown(self) -> None:
         with self._cv:
