@@ -1,5 +1,5 @@
-"""The agent runner against a running gateway (real router, CPU engine, openai SDK): 16 episodes in
-groups of 4 leave 16 rewarded, finished trajectories in 4 groups in the buffer."""
+"""The agent runner against a running gateway (real router, CPU engine): 16 episodes in groups of 4 leave 16
+rewarded, finished trajectories in 4 groups in the buffer; against a scripted upstream, what it retries."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from slime_server.agents.runner import AgentRunner, RunnerSettings
+from slime_server.agents.runner import AgentRunner, RunnerSettings, RunSummary
 from slime_server.envs.calculator import CalculatorEnv
 from tests._gateway_helpers import GatewayProc
 
@@ -47,8 +47,8 @@ def test_agent_cli_runs_and_reports(gateway: GatewayProc, capsys: pytest.Capture
     assert main(["agent", "run", "--env", "no-such-env", "--base-url", gateway.base_url]) == 2
 
 
-def _paced_upstream(refusals: int):
-    """An upstream that answers buffer pacing (429 + Retry-After) ``refusals`` times before serving:
+def _paced_upstream(refusals: int, status: int = 429):
+    """An upstream that refuses ``refusals`` times (by default buffer pacing: 429 + Retry-After) before serving:
     the server's side is not the unit here, the runner's reaction is."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
@@ -73,8 +73,8 @@ def _paced_upstream(refusals: int):
     def chat() -> JSONResponse:
         calls["chat"] += 1
         if calls["chat"] <= refusals:
-            return JSONResponse({"error": {"message": "buffer full", "type": "rate_limit_error", "param": None,
-                                           "code": "buffer_full"}}, status_code=429, headers={"Retry-After": "0.05"})
+            return JSONResponse({"error": {"message": f"refused ({status})", "type": "rate_limit_error", "param": None,
+                                           "code": "buffer_full"}}, status_code=status, headers={"Retry-After": "0.05"})
         return JSONResponse({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
                              "choices": [{"index": 0, "finish_reason": "stop",
                                           "message": {"role": "assistant", "content": "The answer is 7."}}],
@@ -83,8 +83,7 @@ def _paced_upstream(refusals: int):
     return app, calls
 
 
-@pytest.mark.parametrize("wait", [True, False])
-def test_pacing_is_waited_out_not_failed(wait: bool) -> None:
+def _run_against(app, **settings) -> RunSummary:
     import threading
     import time
 
@@ -93,7 +92,6 @@ def test_pacing_is_waited_out_not_failed(wait: bool) -> None:
     from slime_server.envs.base import DatasetRow
     from slime_server.utils.net import find_free_port
 
-    app, calls = _paced_upstream(refusals=6)
     port = find_free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -101,13 +99,36 @@ def test_pacing_is_waited_out_not_failed(wait: bool) -> None:
     while not server.started:
         time.sleep(0.05)
     try:
-        runner = AgentRunner(CalculatorEnv(), RunnerSettings(base_url=f"http://127.0.0.1:{port}/v1", max_retries=1,
-                                                             n_samples_per_prompt=1, wait_when_paced=wait))
-        summary = asyncio.run(runner.run([DatasetRow(prompt="Ana has 4 apples and buys 3 more.", label="7")]))
+        runner = AgentRunner(CalculatorEnv(), RunnerSettings(base_url=f"http://127.0.0.1:{port}/v1",
+                                                             n_samples_per_prompt=1, **settings))
+        return asyncio.run(runner.run([DatasetRow(prompt="Ana has 4 apples and buys 3 more.", label="7")]))
     finally:
         server.should_exit = True
         thread.join(10)
-    if wait:  # six refusals, more than the SDK's own retries: still one successful, rewarded episode
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_pacing_is_waited_out_not_failed(wait: bool) -> None:
+    app, calls = _paced_upstream(refusals=6)
+    summary = _run_against(app, max_retries=1, wait_when_paced=wait)
+    if wait:  # six refusals, more than the retries allowed: still one successful, rewarded episode
         assert summary.errors == 0 and summary.results[0].reward == 1.0 and calls["chat"] == 7
+    else:  # the first refusal and its one retry
+        assert summary.errors == 1 and "RateLimitError" in (summary.results[0].error or "") and calls["chat"] == 2
+
+
+@pytest.mark.parametrize(("status", "retries", "calls_made", "ok"), [
+    (503, 2, 3, True),  # a server failure twice, two retries: the third call is answered
+    (502, 1, 2, False),  # twice, one retry: the episode fails with the server's answer
+    (400, 5, 1, False),  # a refusal is never repeated
+    (409, 5, 1, False),  # nor a closed session's conflict
+])
+def test_server_failures_are_retried_refusals_are_not(status: int, retries: int, calls_made: int, ok: bool) -> None:
+    app, calls = _paced_upstream(refusals=2, status=status)
+    summary = _run_against(app, max_retries=retries)
+    assert calls["chat"] == calls_made
+    if ok:
+        assert summary.errors == 0 and summary.results[0].reward == 1.0
     else:
-        assert summary.errors == 1 and "RateLimitError" in (summary.results[0].error or "")
+        assert summary.errors == 1 and f"Error code: {status}" in (summary.results[0].error or "")
+        assert f"refused ({status})" in (summary.results[0].error or "")

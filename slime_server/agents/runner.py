@@ -1,12 +1,16 @@
-"""The agent runner: plays environment episodes against any slime-server's ``/v1`` with the openai SDK.
+"""The agent runner: plays environment episodes against any slime-server's ``/v1`` over plain HTTP.
 
 For each dataset row it opens ``n_samples_per_prompt`` sessions sharing one group id (a GRPO
 group), runs the chat/tool loop (the model calls tools, the environment answers, up to
 ``max_turns``), posts the episode's reward, and closes the session; the server's buffer then
 holds one rewarded trajectory per episode, in groups, ready for a job. Async with bounded
-concurrency; transient errors are retried by the SDK with backoff and 429 (buffer pacing) is waited out
-as its ``Retry-After`` says, without limit (``wait_when_paced``): a failed episode would leave its
-group incomplete.
+concurrency; transient errors are retried with backoff (as the openai SDK retries them) and 429 (buffer
+pacing) is waited out as its ``Retry-After`` says, without limit (``wait_when_paced``): a failed episode would
+leave its group incomplete.
+
+The Chat Completions call is a JSON POST read as JSON (agents/server_client.py), not the openai SDK's: the SDK's
+request transforms and response models were a fifth of a training process's CPU (profiled: the demo's calculator
+episodes, where the gateway, the store and the runner share one process); the wire is the same.
 """
 
 from __future__ import annotations
@@ -14,17 +18,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import random
 import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import httpx
 from pydantic import BaseModel, Field
 
+from slime_server.agents.server_client import HTTPStatusError, Reply, ServerClient, TransportError
 from slime_server.envs.base import DatasetRow, Environment, ToolOutput
-from slime_server.utils.net import tls_context
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +85,40 @@ class RunSummary(BaseModel):
     results: list[EpisodeResult]
 
 
-def rest_client(s: RunnerSettings) -> httpx.AsyncClient:
-    """The client for the server's own routes (sessions, rewards, closes), with the runner's key; the process's
-    one TLS context (building one loads the CA bundle)."""
-    return httpx.AsyncClient(base_url=s.base_url, headers={"Authorization": f"Bearer {s.api_key}"},
-                             timeout=s.timeout_s, verify=tls_context())
+class APIStatusError(HTTPStatusError):
+    """A Chat Completions call the server refused (its status and its error body, as the openai SDK's error says)."""
 
 
-async def _post(rest: httpx.AsyncClient, path: str, body: dict[str, Any], tries: int = 4) -> httpx.Response:
-    """POST that rides out a transient server failure (502/503/504, a dropped connection: a busy store,
-    a restarting gateway) with backoff; the calls it is used for are harmless to repeat (a reward has its
-    idempotency key, a close is idempotent, a session created twice is one empty session more)."""
-    for attempt in range(tries):
-        try:
-            r = await rest.post(path, json=body)
-            if r.status_code not in (502, 503, 504) or attempt == tries - 1:
-                return r.raise_for_status()
-        except httpx.TransportError:
-            if attempt == tries - 1:
-                raise
-        await asyncio.sleep(0.5 * 2 ** attempt)
-    raise AssertionError("unreachable")
+class RateLimitError(APIStatusError):
+    """A 429: buffer pacing (or a server's rate limit)."""
+
+
+def _retried(status: int) -> bool:
+    """A timeout, a limit or a server failure, as the openai SDK retries them; not its 409 (here: a closed session,
+    which stays closed)."""
+    return status in (408, 429) or status >= 500
+
+
+def _retry_delay(response: Reply | None, attempt: int) -> float:
+    """The server's Retry-After when it gives a usable one, else the SDK's backoff (0.5 s doubling to 8 s, less up
+    to a quarter at random so that retries spread)."""
+    try:
+        after = float(response.headers.get("retry-after", "")) if response is not None else -1.0
+    except ValueError:
+        after = -1.0
+    if 0 <= after <= 60:
+        return after
+    return min(0.5 * 2 ** attempt, 8.0) * (1 - 0.25 * random.random())
+
+
+def _without_none(value: Any) -> Any:
+    """A JSON value with every null field left out (as the SDK's ``model_dump(exclude_none=True)``): the
+    assistant's message goes back into the conversation as the server would take it from any client."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
 
 
 def tool_images_message(images: list[bytes]) -> dict[str, Any]:
@@ -122,15 +139,11 @@ class AgentRunner:
                   stop: Flag | None = None) -> RunSummary:
         """Play every row's group; once ``stop`` is set, episodes make no new call (a call in flight completes
         and is recorded, so nothing reaches the server after this returns) and end as ``cut``."""
-        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-
         s = self.settings
         t0 = time.monotonic()
-        client = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=s.max_retries, timeout=s.timeout_s,
-                             http_client=DefaultAsyncHttpxClient(verify=tls_context()))  # one TLS setup per process
-        rest = rest_client(s)
+        rest = ServerClient(s.base_url, s.api_key, s.timeout_s)
         try:
-            model = s.model or (await client.models.list()).data[0].id
+            model = s.model or (await rest.get_json("/models"))["data"][0]["id"]
             if s.adapter:
                 model = f"{model}:{s.adapter}"
             sem = asyncio.Semaphore(s.concurrency)
@@ -139,11 +152,10 @@ class AgentRunner:
                 group = f"grp-{uuid.uuid4().hex[:12]}"
                 for k in range(s.n_samples_per_prompt):
                     seed = None if s.seed is None else s.seed + i * s.n_samples_per_prompt + k
-                    jobs.append(self._guarded(sem, stop, client, rest, model, row, group, seed, on_episode))
+                    jobs.append(self._guarded(sem, stop, rest, model, row, group, seed, on_episode))
             results = await asyncio.gather(*jobs)
         finally:
             await rest.aclose()
-            await client.close()
         done = [r for r in results if not r.cut]
         rewards = [r.reward for r in done]
         return RunSummary(episodes=len(done), groups=len({r.group_id for r in done}),
@@ -152,59 +164,67 @@ class AgentRunner:
                           errors=sum(r.error is not None for r in done), seconds=time.monotonic() - t0,
                           results=list(results), cut=len(results) - len(done))
 
-    async def _guarded(self, sem: asyncio.Semaphore, stop: Flag | None, client: Any, rest: httpx.AsyncClient,
-                       model: str, row: DatasetRow, group: str, seed: int | None,
-                       on_episode: Callable[[EpisodeResult], None] | None) -> EpisodeResult:
+    async def _guarded(self, sem: asyncio.Semaphore, stop: Flag | None, rest: ServerClient, model: str,
+                       row: DatasetRow, group: str, seed: int | None, on_episode: Callable[[EpisodeResult], None] | None) -> EpisodeResult:
         async with sem:
             if stop is not None and stop.is_set():  # not started: no session is opened for it
                 return EpisodeResult(session_id="", group_id=group, reward=0.0, turns=0, tool_calls=0, final_text="",
                                      cut=True)
-            return await self.episode(client, rest, model, row, group, seed, on_episode, stop=stop)
+            return await self.episode(rest, model, row, group, seed, on_episode, stop=stop)
 
-    async def _create(self, client: Any, stop: Flag | None = None, **kw: Any) -> Any:
-        """``chat.completions.create``, waiting out buffer pacing (429) when ``wait_when_paced``."""
-        from openai import RateLimitError
-
+    async def _create(self, rest: ServerClient, body: dict[str, Any], headers: dict[str, str],
+                      stop: Flag | None = None) -> dict[str, Any]:
+        """POST /chat/completions: a transient failure is retried ``max_retries`` times with backoff, buffer pacing
+        (429) is waited out without limit when ``wait_when_paced``; any other refusal raises."""
+        s, attempt = self.settings, 0
         while True:
             if stop is not None and stop.is_set():
                 raise EpisodeCut
+            response: Reply | None = None
             try:
-                return await client.chat.completions.create(**kw)
-            except RateLimitError as e:
-                if not self.settings.wait_when_paced:
+                response = await rest.request("POST", "/chat/completions", body, headers)
+            except TransportError:
+                if attempt >= s.max_retries:
                     raise
-                try:
-                    delay = float(e.response.headers.get("retry-after", "1"))
-                except ValueError:
-                    delay = 1.0
-                await asyncio.sleep(min(max(delay, 0.1), 30.0))
+            else:
+                if response.status_code < 400:
+                    return response.json()
+                paced = response.status_code == 429 and s.wait_when_paced
+                if not _retried(response.status_code) or (attempt >= s.max_retries and not paced):
+                    raise (RateLimitError if response.status_code == 429 else APIStatusError)(response)
+                if paced:
+                    await asyncio.sleep(min(max(_retry_delay(response, 0), 0.1), 30.0))
+                    continue
+            await asyncio.sleep(_retry_delay(response, attempt))
+            attempt += 1
 
-    async def episode(self, client: Any, rest: httpx.AsyncClient, model: str, row: DatasetRow, group: str,
-                      seed: int | None, on_episode: Callable[[EpisodeResult], None] | None = None, *,
+    async def episode(self, rest: ServerClient, model: str, row: DatasetRow, group: str, seed: int | None,
+                      on_episode: Callable[[EpisodeResult], None] | None = None, *,
                       stop: Flag | None = None) -> EpisodeResult:
         s = self.settings
         meta = {"env": self.env.name, **({"serve_only": True} if s.serve_only else {})}
         state = self.env.reset(row)
         final_text, turns, error, sid, cut = "", 0, None, "", False
         try:
-            sid = (await _post(rest, "/sessions", {"group_id": group, "metadata": meta})).json()["id"]
+            sid = (await rest.post_retrying("/sessions", {"group_id": group, "metadata": meta})).json()["id"]
             for turn in range(self.env.max_turns):
                 turns = turn + 1
-                resp = await self._create(
-                    client, stop, model=model, messages=state.messages, tools=state.tools or None,
-                    temperature=s.temperature, max_tokens=s.max_tokens, seed=None if seed is None else seed + turn,
-                    extra_headers={"X-Session-Id": sid},
-                    metadata={"serve_only": "true"} if s.serve_only else None)
-                msg = resp.choices[0].message
-                state.messages.append(msg.model_dump(exclude_none=True))
-                if not msg.tool_calls:
-                    final_text = msg.content or ""
+                body = {"model": model, "messages": state.messages, "tools": state.tools or None,
+                        "temperature": s.temperature, "max_tokens": s.max_tokens,
+                        "seed": None if seed is None else seed + turn,
+                        "metadata": {"serve_only": "true"} if s.serve_only else None}
+                resp = await self._create(rest, {k: v for k, v in body.items() if v is not None},
+                                          {"X-Session-Id": sid}, stop)
+                msg = _without_none(resp["choices"][0]["message"])
+                state.messages.append(msg)
+                if not msg.get("tool_calls"):
+                    final_text = msg.get("content") or ""
                     break
                 shown: list[bytes] = []
-                for call in msg.tool_calls:
-                    out = self.env.step(state, call.function.name, call.function.arguments)
+                for call in msg["tool_calls"]:
+                    out = self.env.step(state, call["function"]["name"], call["function"]["arguments"])
                     text, images = (out.text, out.images) if isinstance(out, ToolOutput) else (out, [])
-                    state.messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+                    state.messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
                     shown += images
                 if shown:  # Chat Completions' tool messages hold text: the tools' images follow as a user turn
                     state.messages.append(tool_images_message(shown))
@@ -216,9 +236,9 @@ class AgentRunner:
             log.warning("episode %s failed: %s", sid, error)
         try:
             if s.post_rewards and error is None and not cut:
-                await _post(rest, f"/sessions/{sid}/reward", {"reward": reward, "idempotency_key": f"{sid}-final"})
+                await rest.post_retrying(f"/sessions/{sid}/reward", {"reward": reward, "idempotency_key": f"{sid}-final"})
             if sid:
-                await _post(rest, f"/sessions/{sid}/close", {})
+                await rest.post_retrying(f"/sessions/{sid}/close", {})
         except Exception as e:  # noqa: BLE001 - one episode's failure is its own, never the whole run's
             error = error or repr(e)[:500]
             log.log(logging.DEBUG if cut else logging.WARNING, "episode %s: finishing failed: %s", sid, error)

@@ -44,9 +44,8 @@ from slime_server.agents.runner import (  # noqa: E402
     Flag,
     RunnerSettings,
     RunSummary,
-    _post,
-    rest_client,
 )
+from slime_server.agents.server_client import ServerClient  # noqa: E402
 from slime_server.envs.base import verifiers_module  # noqa: E402
 from slime_server.utils.net import tls_context  # noqa: E402
 
@@ -178,7 +177,7 @@ class VerifiersRunner:
         s = self.settings
         t0 = time.monotonic()
         http = httpx.AsyncClient(timeout=s.timeout_s, verify=tls_context())  # one TLS setup per process, not per run
-        rest = rest_client(s)
+        rest = ServerClient(s.base_url, s.api_key, s.timeout_s)
         try:
             lister = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, http_client=http)
             model = s.model or (await lister.models.list()).data[0].id
@@ -203,7 +202,7 @@ class VerifiersRunner:
                           results=results, cut=len(results) - len(done))
 
     async def _group(self, sem: asyncio.Semaphore, stop: Flag | None, http: httpx.AsyncClient,
-                     rest: httpx.AsyncClient, model: str, row: dict[str, Any], index: int,
+                     rest: ServerClient, model: str, row: dict[str, Any], index: int,
                      ) -> tuple[list[EpisodeResult], list[dict[str, float]]]:
         s = self.settings
         group = f"grp-{uuid.uuid4().hex[:12]}"
@@ -225,10 +224,10 @@ class VerifiersRunner:
             reward = float(p.state["reward"] or 0.0) if p in scored else 0.0
             try:
                 if s.post_rewards and p in scored:
-                    await _post(rest, f"/sessions/{p.sid}/reward", {"reward": reward,
-                                                                   "idempotency_key": f"{p.sid}-final"})
+                    await rest.post_retrying(f"/sessions/{p.sid}/reward", {"reward": reward,
+                                                                          "idempotency_key": f"{p.sid}-final"})
                 if p.sid:
-                    await _post(rest, f"/sessions/{p.sid}/close", {})
+                    await rest.post_retrying(f"/sessions/{p.sid}/close", {})
             except Exception as e:  # noqa: BLE001 - one episode's failure is its own
                 p.error = p.error or repr(e)[:500]
             st = p.state
@@ -243,7 +242,7 @@ class VerifiersRunner:
         return results, [p.state.get("metrics") or {} for p in scored]
 
     async def _rollout(self, sem: asyncio.Semaphore, stop: Flag | None, http: httpx.AsyncClient,
-                       rest: httpx.AsyncClient, model: str, row: dict[str, Any], group: str,
+                       rest: ServerClient, model: str, row: dict[str, Any], group: str,
                        seed: int | None) -> _Played:
         s = self.settings
         async with sem:
@@ -252,7 +251,7 @@ class VerifiersRunner:
             meta = {"env": f"verifiers:{self.env.env_id}", "example_id": row.get("example_id"),
                     **({"serve_only": True} if s.serve_only else {})}
             try:
-                sid = (await _post(rest, "/sessions", {"group_id": group, "metadata": meta})).json()["id"]
+                sid = (await rest.post_retrying("/sessions", {"group_id": group, "metadata": meta})).json()["id"]
             except Exception as e:  # noqa: BLE001 - the server did not take the session: this episode failed
                 return _Played(error=repr(e)[:500])
             client = AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, http_client=http, max_retries=s.max_retries,
