@@ -148,3 +148,20 @@ def test_core_lists_for_the_engines_and_the_trainer(monkeypatch: pytest.MonkeyPa
     for bad in ("3-1", "a", "0,,-1", ""):
         with pytest.raises(ValidationError, match="cpus"):
             _settings(["serve", "--engine-cpus", bad])
+
+
+@pytest.mark.parametrize("command", ["gateway", "keys", "export"])
+def test_a_command_imports_its_own_module_not_every_commands(command: str) -> None:
+    """A run of one command builds its own parser only: the others' modules (serve's deployment, the demo's
+    learning set-up) stay unimported; without a command every command is listed."""
+    import subprocess
+    import sys
+
+    others = ["slime_server.server.serve_cmd", "slime_server.demo", "slime_server.server.launch",
+              "slime_server.server.engines_cmd"]
+    code = ("import sys; from slime_server.cli import build_parser, SUBCOMMANDS; "
+            f"p, cmds = build_parser({command!r}); print(sorted(cmds)); "
+            f"print([m for m in {others!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:2] == [str([command]), "[]"]
+    assert sorted(build_parser()[1]) == sorted(__import__("slime_server.cli").cli.SUBCOMMANDS)

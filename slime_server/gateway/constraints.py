@@ -35,7 +35,7 @@ from slime_server.gateway.tool_parsers import (
     MistralToolParser,
     ToolCallParser,
 )
-from slime_server.rollout.grammar import xgrammar_message
+from slime_server.rollout.grammar_errors import xgrammar_message
 
 STRING_CHARS = r'^[^"\\\x00-\x1f\ud800-\udfff]'  # a JSON string's characters that need no escape (no surrogates)
 

@@ -20,7 +20,6 @@ worse than an error).
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from slime_server.rollout.engine_sequence import Sequence
+from slime_server.rollout.grammar_errors import xgrammar_message
 from slime_server.rollout.protocol import SamplingParams
 
 ANY_JSON = "$$ANY$$"
@@ -152,12 +152,6 @@ class GrammarBackend:
             matchers[i].fill_next_token_bitmask(self._bitmask, i)
         self._xgr.apply_token_bitmask_inplace(logits, self._bitmask[: logits.shape[0]], vocab_size=self.vocab_size,
                                               indices=rows)
-
-
-def xgrammar_message(e: BaseException) -> str:
-    """xgrammar's message without its log prefix (``[10:15:35] /project/cpp/regex_converter.cc:83: ``)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
 
 
 class EngineGrammars:
