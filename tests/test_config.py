@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from slime_server.cli import build_parser, settings_from_args
+from slime_server.cli import SUBCOMMANDS, build_parser, settings_from_args
 from slime_server.config import ConfigError, ServerSettings, load_settings, split_passthrough
 
 
@@ -159,9 +159,9 @@ def test_a_command_imports_its_own_module_not_every_commands(command: str) -> No
 
     others = ["slime_server.server.serve_cmd", "slime_server.demo", "slime_server.server.launch",
               "slime_server.server.engines_cmd"]
-    code = ("import sys; from slime_server.cli import build_parser, SUBCOMMANDS; "
+    code = ("import sys; from slime_server.cli import build_parser; "
             f"p, cmds = build_parser({command!r}); print(sorted(cmds)); "
             f"print([m for m in {others!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[:2] == [str([command]), "[]"]
-    assert sorted(build_parser()[1]) == sorted(__import__("slime_server.cli").cli.SUBCOMMANDS)
+    assert sorted(build_parser()[1]) == sorted(SUBCOMMANDS)

@@ -165,7 +165,8 @@ class AgentRunner:
                           results=list(results), cut=len(results) - len(done))
 
     async def _guarded(self, sem: asyncio.Semaphore, stop: Flag | None, rest: ServerClient, model: str,
-                       row: DatasetRow, group: str, seed: int | None, on_episode: Callable[[EpisodeResult], None] | None) -> EpisodeResult:
+                       row: DatasetRow, group: str, seed: int | None,
+                       on_episode: Callable[[EpisodeResult], None] | None) -> EpisodeResult:
         async with sem:
             if stop is not None and stop.is_set():  # not started: no session is opened for it
                 return EpisodeResult(session_id="", group_id=group, reward=0.0, turns=0, tool_calls=0, final_text="",
@@ -236,7 +237,8 @@ class AgentRunner:
             log.warning("episode %s failed: %s", sid, error)
         try:
             if s.post_rewards and error is None and not cut:
-                await rest.post_retrying(f"/sessions/{sid}/reward", {"reward": reward, "idempotency_key": f"{sid}-final"})
+                await rest.post_retrying(f"/sessions/{sid}/reward",
+                                         {"reward": reward, "idempotency_key": f"{sid}-final"})
             if sid:
                 await rest.post_retrying(f"/sessions/{sid}/close", {})
         except Exception as e:  # noqa: BLE001 - one episode's failure is its own, never the whole run's

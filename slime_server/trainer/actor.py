@@ -390,8 +390,8 @@ class TrainerRank:
         return reap_own()
 
     def reuse(self, settings: TrainerRankSettings) -> int:
-        """This process, shut down (``shutdown``) after another job, becomes a fresh rank with ``settings``: as a new process
-        starts (cores, torch threads, torch's default seed), ready for ``setup``. Returns the pid."""
+        """This process, shut down (``shutdown``) after another job, becomes a fresh rank with ``settings``: as a new
+        process starts (cores, torch threads, torch's default seed), ready for ``setup``. Returns the pid."""
         start = self._start
         self.__init__(settings)  # type: ignore[misc]  # every field as a new rank has it
         self._start = start
