@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from slime_server.models.tiny_vl import ensure_tiny_vl_model
+from slime_server.server.local_ray import start_local_ray
 from slime_server.trainer.packing import pack_samples
 from tests._engine_helpers import thread_affinities
 from tests._megatron_helpers import make_config, save_random_hf_model
@@ -186,7 +187,7 @@ def test_ray_trainer_group_of_two(runs: dict[str, dict], split: str) -> None:
     settings = TrainerRankSettings.model_validate(runs["settings"]).model_copy(update={split: 2, "cpus": [core]})
     if ray.is_initialized():  # the session's (conftest): this test sizes its own
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a stale cluster
+    start_local_ray(2, include_dashboard=False, log_to_driver=False)  # never a stale cluster
     try:
         group = TrainerGroup(settings, world_size=2)
         layouts = group.setup()

@@ -25,6 +25,7 @@ from slime_server.rollout.actors import EngineActor, EngineSpec, EngineStatus, l
 from slime_server.rollout.engine_auth import engine_key
 from slime_server.rollout.router import RouterProcess
 from slime_server.server.core_share import CoreShare
+from slime_server.server.local_ray import start_local_ray
 from slime_server.trainer.settings import LossConfig
 from slime_server.trainer.warm_ranks import WARM
 
@@ -114,10 +115,8 @@ def _init_ray(settings: ServerSettings) -> bool:
         check_ray_auth(settings.ray.address)
         ray.init(address=settings.ray.address, **common)
     else:
-        num_cpus = settings.ray.num_cpus or max(os.cpu_count() or 1, ray_cpus_needed(settings), 1)
-        # "local": no ray.address means a Ray of our own. Without it ray.init joins whatever RAY_ADDRESS or
-        # /tmp/ray/ray_current_cluster (left by any earlier `ray start`, even a dead one) names, and fails.
-        ray.init(address="local", num_cpus=num_cpus, **common)
+        # no ray.address: a Ray of our own, without what only a shared cluster uses (server/local_ray.py)
+        start_local_ray(settings.ray.num_cpus or max(os.cpu_count() or 1, ray_cpus_needed(settings), 1), **common)
     for sig, handler in saved.items():
         if handler is not None:
             signal.signal(sig, handler)
