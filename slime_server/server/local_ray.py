@@ -3,7 +3,7 @@
 Why: an idle local cluster as ``ray.init`` starts it burned 2.2-2.3 CPU-s a minute on its own (2026-11-30, 2-core
 EPYC, two 60 s samples): a log monitor that tails every worker's output files every 0.1 s and publishes the lines
 for drivers that print them (ours do not: ``log_to_driver=False``), an autoscaler monitor (a local cluster never
-scales), idle pooled workers kept for tasks that rarely come (each wakes ~100 times a second), and metrics and
+scales), idle pooled workers kept for tasks that rarely come (~0.45 CPU-s a minute each), and metrics and
 task events that no dashboard reads (``include_dashboard=False``). Off, an idle cluster takes 1.05-1.09 CPU-s a minute:
 a server waiting for traffic, and every test that keeps one up, pay that much less. A cluster the server joins
 (``ray.address``) is its operator's and keeps its own settings.
