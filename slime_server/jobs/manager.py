@@ -401,9 +401,10 @@ class JobManager:
         for thread in ending:  # a job that just ended lets go of its trainer first: one trainer at a time (its
             thread.join(timeout=120)  # cores go back, and its idle ranks can start this job: trainer.warm_ranks_s)
         try:
-            if self._row(job_id).status == "queued":
-                self.jobs.update_job(job_id, status="running")
-                self._event(job_id, "started", {})
+            with self._lock:  # read and write under the transitions' lock: a pause between the two stays a pause
+                if self._row(job_id).status == "queued":
+                    self.jobs.update_job(job_id, status="running")
+                    self._event(job_id, "started", {})
             if run.rollout_only is not None:
                 run.rollout_only()
             else:
