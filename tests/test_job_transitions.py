@@ -25,9 +25,10 @@ def test_a_pause_while_the_job_starts_stays_a_pause(tmp_path: Path) -> None:
         row = read(job_id)
         if threading.current_thread().name == f"job-{job_id}" and row is not None and row.status == "queued" \
                 and not pauses:
-            pauses.append(threading.Thread(target=manager.pause, args=(job_id,)))
-            pauses[0].start()
-            pauses[0].join(timeout=1.0)  # done at once, unless the start holds the transitions' lock meanwhile
+            pause = threading.Thread(target=manager.pause, args=(job_id,))
+            pause.start()
+            pauses.append(pause)  # started: the test's thread may join it from now on
+            pause.join(timeout=1.0)  # done at once, unless the start holds the transitions' lock meanwhile
         return row
 
     jobs.get_job = get_job  # type: ignore[method-assign]
