@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -30,9 +32,20 @@ def test_calculator_tool_schema_is_valid_json_schema() -> None:
 def test_calculator_evaluates_arithmetic_and_refuses_everything_else() -> None:
     assert evaluate("(3 + 4) * 2") == 14
     assert evaluate("2^10") == 1024 and evaluate("7 / 2") == 3.5 and evaluate("-3 + +2") == -1
-    for bad in ("__import__('os')", "x + 1", "2 ** 1000", "1 / 0", "'a' * 3", "1" * 300, "[1, 2]", "True + 1"):
+    for bad in ("__import__('os')", "x + 1", "2 ** 1000", "1 / 0", "'a' * 3", "1" * 300, "[1, 2]", "True + 1",
+                "3if 1 else 2", "3in 4"):
         with pytest.raises(CalculatorError):
             evaluate(bad)
+
+
+def test_an_expression_python_warns_of_prints_nothing() -> None:
+    """``3in 4`` parses with a SyntaxWarning on stderr; the tool refuses it and the process prints nothing (README's
+    first job printed Python's warning line in a CI run)."""
+    code = ("from slime_server.envs.calculator import CalculatorError, evaluate\n"
+            "for e in ('3in 4', '1or 2', '3if 1 else 2'):\n"
+            "    try:\n        evaluate(e)\n    except CalculatorError:\n        print('refused')\n")
+    done = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.split(), done.stderr) == (0, ["refused"] * 3, "")
 
 
 def test_calculator_episode_correct_gets_1_wrong_gets_0() -> None:
