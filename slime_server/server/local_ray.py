@@ -26,15 +26,15 @@ LOCAL_SYSTEM_CONFIG: dict[str, Any] = {
 
 
 @contextmanager
-def _without_monitors() -> Iterator[bool]:
+def _without_monitors() -> Iterator[None]:
     """While ``ray.init`` starts a head node: no log monitor, no autoscaler monitor. ``ray.init`` has no switch
     for either and Ray's node parameters (``RayParams``) have both, so its constructor gets them as defaults for
-    this call; a Ray whose parameters lack either is left as it is (yields False)."""
+    this call; a Ray whose parameters lack either is left as it is."""
     from ray._private import parameter
 
     init = parameter.RayParams.__init__
     if not {"include_log_monitor", "no_monitor"} <= set(inspect.signature(init).parameters):
-        yield False
+        yield
         return
 
     def lean(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -44,7 +44,7 @@ def _without_monitors() -> Iterator[bool]:
 
     parameter.RayParams.__init__ = lean  # type: ignore[method-assign]
     try:
-        yield True
+        yield
     finally:
         parameter.RayParams.__init__ = init  # type: ignore[method-assign]
 
